@@ -1,0 +1,62 @@
+"""bert-cluster: improved clustered attention for pretrained BERT-family models.
+
+Importing this package compiles nothing, imports neither transformers nor the kernels, touches no network
+and leaves CUDA uninitialised. The attention name is registered with transformers when transformers'
+modeling code loads (see ``bert_cluster._hook``), so a converted checkpoint reloads with its patch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bert_cluster import _hook
+from bert_cluster.attention import clustered_attention
+from bert_cluster.config import ClusteredAttentionConfig
+
+__version__ = "0.1.0"
+
+_hook.install()
+
+__all__ = [
+    "ClusteredAttentionConfig",
+    "__version__",
+    "clustered_attention",
+    "convert",
+    "evaluate",
+    "info",
+    "revert",
+]
+
+if TYPE_CHECKING:
+    from bert_cluster.evaluation import evaluate
+
+
+def convert(model: Any, clusters: int = 25, **settings: Any) -> Any:
+    """Patch ``model`` in place with (improved) clustered attention; see ``bert_cluster.hf.convert``."""
+    from bert_cluster.hf import convert as _convert
+
+    return _convert(model, clusters=clusters, **settings)
+
+
+def revert(model: Any) -> Any:
+    """Restore the attention implementation ``model`` had before ``convert``."""
+    from bert_cluster.hf import revert as _revert
+
+    return _revert(model)
+
+
+def info() -> dict[str, Any]:
+    """Versions, kernel build status and each backend's availability (what ``bert-cluster env`` prints)."""
+    from bert_cluster._loader import build_info
+
+    return build_info()
+
+
+def __getattr__(name: str) -> Any:
+    # The evaluation runner pulls in datasets, pandas and friends: load it only when asked for.
+    # (Its package is `evaluation`, not `evaluate`: a subpackage of that name would shadow this function.)
+    if name == "evaluate":
+        from bert_cluster.evaluation import evaluate as _evaluate
+
+        return _evaluate
+    raise AttributeError(f"module 'bert_cluster' has no attribute {name!r}")

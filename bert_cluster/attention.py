@@ -1,0 +1,111 @@
+"""``clustered_attention``: the one place where the paper's steps are composed.
+
+Routing by algorithm lives here (short rows use exact attention); the choice of backend (reference,
+CPU or CUDA kernels) lives in ``bert_cluster.dispatch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from bert_cluster.config import ClusteredAttentionConfig
+
+_GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_planes(seed: int, layer: int, bits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((seed * _GOLDEN + layer) % (2**63))
+    # Cached across calls: must not be inference tensors, or a later autograd forward could not use them.
+    with torch.inference_mode(False):
+        planes = torch.randn(bits, head_dim, generator=generator, dtype=torch.float32)
+        offsets = torch.randn(bits, generator=generator, dtype=torch.float32)
+    return planes, offsets
+
+
+def hash_planes(
+    seed: int, layer: int, bits: int, head_dim: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random hyperplanes ``(B, Dk)`` and offsets ``(B,)`` of one layer.
+
+    Drawn on the CPU from a generator seeded with ``(seed, layer)``, so that every backend and device
+    hashes with identical bits and each layer has its own stream. Shared by all heads of the layer.
+    """
+    planes, offsets = _cpu_planes(seed, layer, bits, head_dim)
+    return planes.to(device), offsets.to(device)
+
+
+def clustered_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    config: ClusteredAttentionConfig | None = None,
+    *,
+    scaling: float | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """(Improved) clustered self-attention.
+
+    Args:
+        query, key, value: ``(R, H, N, Dk)``, ``(R, H, N, Dk)``, ``(R, H, N, Dv)``, fp32/fp16/bf16.
+        valid: bool ``(R, N)``, False on padding (left, right or anywhere); None means no padding.
+        config: the settings; defaults to ``ClusteredAttentionConfig()`` (i-clustered, C=25, k=32).
+        scaling: softmax temperature, ``1/sqrt(Dk)`` by default.
+        layer: the layer index, which selects this layer's stream of random hash planes.
+
+    Returns:
+        ``(R, H, N, Dv)`` in the input dtype. Rows with at most C valid tokens (or fewer than
+        ``config.min_length``) get exact attention. Padded query positions get zeros.
+    """
+    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
+
+    config = config or ClusteredAttentionConfig()
+    if query.dim() != 4 or key.shape[:-1] != query.shape[:-1] or value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(
+            "clustered_attention expects self-attention tensors query/key (R, H, N, Dk) and value "
+            f"(R, H, N, Dv); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    rows, _, length, head_dim = query.shape
+    if valid is None:
+        valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
+    elif valid.shape != (rows, length) or valid.dtype != torch.bool:
+        raise ValueError(
+            f"valid must be a bool tensor of shape {(rows, length)}, got {valid.dtype} {tuple(valid.shape)}"
+        )
+    scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+
+    backend = dispatch.select_backend(config.backend, query, key, value)
+    lengths = valid.sum(-1)
+    short = (lengths <= config.clusters) | (lengths < config.min_length)
+    if bool(short.all()):
+        out = backend.exact_attention(query, key, value, valid, scaling)
+        return out.to(query.dtype)
+    if not bool(short.any()):
+        return _clustered(backend, query, key, value, valid, config, scaling, layer).to(query.dtype)
+    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=torch.float32, device=query.device)
+    s, c = short.nonzero().squeeze(-1), (~short).nonzero().squeeze(-1)
+    out[s] = backend.exact_attention(query[s], key[s], value[s], valid[s], scaling)
+    out[c] = _clustered(backend, query[c], key[c], value[c], valid[c], config, scaling, layer)
+    return out.to(query.dtype)
+
+
+def _clustered(backend, query, key, value, valid, config, scaling, layer) -> torch.Tensor:
+    """The paper's steps on rows that are all longer than C: float32 output."""
+    planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
+    hashes = backend.hash_queries(query, planes, offsets)
+    assignments, _ = backend.hamming_kmeans(hashes, valid, config.clusters, config.iterations, config.bits)
+    centroids, _ = backend.group_queries(query, assignments, config.clusters)
+    refine = config.mode == "i-clustered"
+    centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
+        centroids, key, value, valid, config.topk if refine else 0, scaling
+    )
+    if not refine:
+        return backend.broadcast_clusters(centroid_values, assignments)
+    return backend.topk_refine(
+        query, key, value, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
+    )

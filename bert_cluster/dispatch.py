@@ -1,0 +1,183 @@
+"""The one place that chooses a backend (cuda | cpu | reference) and says why.
+
+Each backend declares the devices and dtypes it supports, whether it is available, and the reasons it
+cannot run given inputs. ``auto`` takes the first backend in priority order with no reasons; a forced
+backend that cannot run raises a ``ValueError`` listing them. ``BERT_CLUSTER_BACKEND`` overrides
+``auto`` and ``BERT_CLUSTER_DISABLE_KERNELS=1`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from bert_cluster import reference
+
+STEPS = (
+    "hash_queries",
+    "hamming_kmeans",
+    "group_queries",
+    "centroid_attention",
+    "topk_refine",
+    "broadcast_clusters",
+    "exact_attention",
+)
+
+
+class Backend:
+    """A set of implementations of the paper's steps, with the ops' signatures."""
+
+    name: ClassVar[str]
+    SUPPORTED_DEVICES: ClassVar[frozenset[str]]
+    SUPPORTED_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether the backend can run at all here, and why not."""
+        return True, ""
+
+    @classmethod
+    def not_supported_reasons(cls, *inputs: torch.Tensor) -> list[str]:
+        """Why this backend cannot run on these inputs (empty when it can)."""
+        reasons = []
+        ok, why = cls.is_available()
+        if not ok:
+            reasons.append(why)
+        for tensor in inputs:
+            if tensor.device.type not in cls.SUPPORTED_DEVICES:
+                reasons.append(f"device {tensor.device.type} not in {sorted(cls.SUPPORTED_DEVICES)}")
+                break
+        for tensor in inputs:
+            if tensor.dtype not in cls.SUPPORTED_DTYPES:
+                reasons.append(f"dtype {tensor.dtype} not supported")
+                break
+        return reasons
+
+    def __getattr__(self, step: str) -> Callable:
+        raise AttributeError(f"backend {self.name!r} has no step {step!r}; steps: {', '.join(STEPS)}")
+
+
+class ReferenceBackend(Backend):
+    """Plain PyTorch (``bert_cluster.reference``): any device torch runs on, differentiable."""
+
+    name = "reference"
+    SUPPORTED_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
+
+    hash_queries = staticmethod(reference.hash_queries)
+    hamming_kmeans = staticmethod(reference.hamming_kmeans)
+    group_queries = staticmethod(reference.group_queries)
+    centroid_attention = staticmethod(reference.centroid_attention)
+    topk_refine = staticmethod(reference.topk_refine)
+    broadcast_clusters = staticmethod(reference.broadcast_clusters)
+    exact_attention = staticmethod(reference.exact_attention)
+
+
+def _kernel_step(step: str) -> Callable:
+    """A step that calls the ``bert_cluster::<step>`` op (imported lazily: ``import bert_cluster`` stays lean)."""
+
+    def call(*args):
+        from bert_cluster import ops
+
+        return getattr(ops, step)(*args)
+
+    call.__name__ = call.__qualname__ = step
+    return staticmethod(call)
+
+
+class _KernelBackend(Backend):
+    """The compiled ops (``bert_cluster.ops``), forward only: they register no backward."""
+
+    @classmethod
+    def not_supported_reasons(cls, *inputs: torch.Tensor) -> list[str]:
+        """As ``Backend``, plus: inputs that require grad need the differentiable reference."""
+        reasons = super().not_supported_reasons(*inputs)
+        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
+            reasons.append("inputs require grad and the kernels have no backward (use the reference to train)")
+        return reasons
+
+    hash_queries = _kernel_step("hash_queries")
+    hamming_kmeans = _kernel_step("hamming_kmeans")
+    group_queries = _kernel_step("group_queries")
+    centroid_attention = _kernel_step("centroid_attention")
+    topk_refine = _kernel_step("topk_refine")
+    broadcast_clusters = _kernel_step("broadcast_clusters")
+    exact_attention = _kernel_step("exact_attention")
+
+
+class CpuKernelBackend(_KernelBackend):
+    """C++ kernels (``kernels/cpu``), parallel over rows, heads and clusters with ``at::parallel_for``."""
+
+    name = "cpu"
+    SUPPORTED_DEVICES = frozenset({"cpu"})
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Available when ``bert_cluster._C`` loaded (see ``_loader.load``)."""
+        from bert_cluster import _loader
+
+        return _loader.cpu_available()
+
+
+class CudaKernelBackend(_KernelBackend):
+    """CUDA kernels (``kernels/cuda``), on the tensors' current stream."""
+
+    name = "cuda"
+    SUPPORTED_DEVICES = frozenset({"cuda"})
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Available when ``_C`` was built with CUDA, registered its CUDA ops and a GPU is visible."""
+        from bert_cluster import _loader
+
+        return _loader.cuda_available()
+
+
+#: Priority order for ``auto``: the first backend with no reasons wins.
+BACKENDS: dict[str, type[Backend]] = {
+    "cuda": CudaKernelBackend,
+    "cpu": CpuKernelBackend,
+    "reference": ReferenceBackend,
+}
+PRIORITY: list[str] = ["cuda", "cpu", "reference"]
+
+
+def _forced_name(requested: str) -> str:
+    if os.environ.get("BERT_CLUSTER_DISABLE_KERNELS", "") not in ("", "0"):
+        return "reference"
+    env = os.environ.get("BERT_CLUSTER_BACKEND", "").strip()
+    if requested == "auto" and env:
+        if env not in ("auto", *BACKENDS):
+            raise ValueError(f"BERT_CLUSTER_BACKEND={env!r} is not a backend; allowed: auto, {', '.join(BACKENDS)}")
+        return env
+    return requested
+
+
+def select_backend(requested: str, *inputs: torch.Tensor) -> Backend:
+    """The backend to run ``inputs`` on: ``requested`` if it can, else a ``ValueError`` with its reasons."""
+    name = _forced_name(requested)
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; allowed: auto, {', '.join(BACKENDS)}")
+        reasons = BACKENDS[name].not_supported_reasons(*inputs)
+        if reasons:
+            raise ValueError(f"backend {name!r} cannot run these inputs: " + "; ".join(reasons))
+        return BACKENDS[name]()
+    for candidate in PRIORITY:
+        if not BACKENDS[candidate].not_supported_reasons(*inputs):
+            return BACKENDS[candidate]()
+    raise ValueError(
+        "no backend can run these inputs: "
+        + " | ".join(f"{n}: {'; '.join(BACKENDS[n].not_supported_reasons(*inputs))}" for n in PRIORITY)
+    )
+
+
+def describe() -> list[dict[str, object]]:
+    """Each backend's availability and reason, for ``bert_cluster.info()``."""
+    out = []
+    for name in PRIORITY:
+        ok, why = BACKENDS[name].is_available()
+        out.append({"backend": name, "available": ok, "reason": why, "devices": sorted(BACKENDS[name].SUPPORTED_DEVICES)})
+    return out

