@@ -32,7 +32,9 @@ class Backend:
 
     name: ClassVar[str]
     SUPPORTED_DEVICES: ClassVar[frozenset[str]]
-    SUPPORTED_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    SUPPORTED_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {torch.float32, torch.float16, torch.bfloat16}
+    )
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -76,7 +78,7 @@ class ReferenceBackend(Backend):
 
 
 def _kernel_step(step: str) -> Callable:
-    """A step that calls the ``bert_cluster::<step>`` op (imported lazily: ``import bert_cluster`` stays lean)."""
+    """A step calling the op ``bert_cluster::<step>`` (lazy import: ``import bert_cluster`` stays lean)."""
 
     def call(*args):
         from bert_cluster import ops
@@ -95,7 +97,9 @@ class _KernelBackend(Backend):
         """As ``Backend``, plus: inputs that require grad need the differentiable reference."""
         reasons = super().not_supported_reasons(*inputs)
         if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-            reasons.append("inputs require grad and the kernels have no backward (use the reference to train)")
+            reasons.append(
+                "inputs require grad and the kernels have no backward (use the reference to train)"
+            )
         return reasons
 
     hash_queries = _kernel_step("hash_queries")
@@ -150,7 +154,9 @@ def _forced_name(requested: str) -> str:
     env = os.environ.get("BERT_CLUSTER_BACKEND", "").strip()
     if requested == "auto" and env:
         if env not in ("auto", *BACKENDS):
-            raise ValueError(f"BERT_CLUSTER_BACKEND={env!r} is not a backend; allowed: auto, {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"BERT_CLUSTER_BACKEND={env!r} is not a backend; allowed: auto, {', '.join(BACKENDS)}"
+            )
         return env
     return requested
 
@@ -179,5 +185,12 @@ def describe() -> list[dict[str, object]]:
     out = []
     for name in PRIORITY:
         ok, why = BACKENDS[name].is_available()
-        out.append({"backend": name, "available": ok, "reason": why, "devices": sorted(BACKENDS[name].SUPPORTED_DEVICES)})
+        out.append(
+            {
+                "backend": name,
+                "available": ok,
+                "reason": why,
+                "devices": sorted(BACKENDS[name].SUPPORTED_DEVICES),
+            }
+        )
     return out

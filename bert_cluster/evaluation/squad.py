@@ -1,0 +1,294 @@
+"""The ``squad`` task kind: extractive QA over sliding windows, with named span-decoding postprocessors.
+
+A question and its context are split into windows of ``max_length`` tokens overlapping by
+``doc_stride``; the model gives start and end logits per token. ``decode_answers`` takes, per window,
+the ``n_best`` start and end tokens, keeps spans inside the context with end >= start and at most
+``max_answer_length`` tokens, scores a span by start + end logit and keeps the best over all windows.
+SQuAD v2 adds the null answer: the lowest [CLS] start + end score over the windows; the prediction is
+empty when that null score is greater than the best span's score (threshold 0). Task YAMLs name the
+postprocessor (``options.postprocessor``) from ``POSTPROCESSORS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bert_cluster.evaluation.data import load_rows
+from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.kinds import Examples, LoadedModel, Progress, ScoreSettings, register_kind
+from bert_cluster.evaluation.metrics import squad_scores
+from bert_cluster.evaluation.modeling import length_sorted_batches, load_with_head, pad_batch
+from bert_cluster.evaluation.tasks import TaskConfig
+
+_OPTION_DEFAULTS = {"postprocessor": "squad_v1", "doc_stride": 128, "n_best": 20, "max_answer_length": 30}
+
+
+@dataclasses.dataclass
+class Window:
+    """One tokenized window: which question it belongs to and each token's character span in the context."""
+
+    example: int
+    input_ids: list[int]
+    attention_mask: list[int]
+    token_type_ids: list[int] | None
+    offsets: list[tuple[int, int] | None]  # None: not a context token (question, special, padding)
+    cls_index: int = 0
+
+    def features(self) -> dict[str, list[int]]:
+        """The model inputs of this window."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        if self.token_type_ids is not None:
+            out["token_type_ids"] = self.token_type_ids
+        return out
+
+
+def make_windows(
+    tokenizer: Any, questions: Sequence[str], contexts: Sequence[str], max_length: int, doc_stride: int
+) -> list[Window]:
+    """Tokenize question/context pairs into overlapping windows (the context alone is truncated)."""
+    if doc_stride >= max_length:
+        raise UserError(f"doc_stride ({doc_stride}) must be smaller than max_length ({max_length})")
+    encoded = tokenizer(
+        [question.lstrip() for question in questions],
+        list(contexts),
+        truncation="only_second",
+        max_length=max_length,
+        stride=doc_stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+        padding=False,
+    )
+    windows = []
+    for index, example in enumerate(encoded["overflow_to_sample_mapping"]):
+        sequence_ids = encoded.sequence_ids(index)
+        offsets = [
+            (int(span[0]), int(span[1])) if sequence_ids[position] == 1 else None
+            for position, span in enumerate(encoded["offset_mapping"][index])
+        ]
+        input_ids = encoded["input_ids"][index]
+        cls_id = tokenizer.cls_token_id
+        windows.append(
+            Window(
+                example=int(example),
+                input_ids=input_ids,
+                attention_mask=encoded["attention_mask"][index],
+                token_type_ids=encoded["token_type_ids"][index] if "token_type_ids" in encoded else None,
+                offsets=offsets,
+                cls_index=input_ids.index(cls_id) if cls_id in input_ids else 0,
+            )
+        )
+    return windows
+
+
+def decode_answers(
+    contexts: Sequence[str],
+    windows: Sequence[Window],
+    start_logits: Sequence[np.ndarray],
+    end_logits: Sequence[np.ndarray],
+    *,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+    version_2: bool = False,
+) -> list[str]:
+    """The predicted answer text of every context (empty: no answer), from per-window logits."""
+    best: list[tuple[float, int, int] | None] = [None] * len(contexts)
+    null: list[float | None] = [None] * len(contexts)
+    for window, starts, ends in zip(windows, start_logits, end_logits, strict=True):
+        starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+        example = window.example
+        null_score = float(starts[window.cls_index] + ends[window.cls_index])
+        if null[example] is None or null_score < null[example]:
+            null[example] = null_score
+        top_starts = np.argsort(-starts, kind="stable")[:n_best]
+        top_ends = np.argsort(-ends, kind="stable")[:n_best]
+        for start in top_starts:
+            start_span = window.offsets[start] if start < len(window.offsets) else None
+            if start_span is None:
+                continue
+            for end in top_ends:
+                end_span = window.offsets[end] if end < len(window.offsets) else None
+                if end_span is None or end < start or end - start + 1 > max_answer_length:
+                    continue
+                score = float(starts[start] + ends[end])
+                current = best[example]
+                if current is None or score > current[0]:
+                    best[example] = (score, start_span[0], end_span[1])
+    answers = []
+    for index, context in enumerate(contexts):
+        candidate = best[index]
+        if candidate is None or version_2 and null[index] is not None and null[index] > candidate[0]:
+            answers.append("")
+        else:
+            answers.append(context[candidate[1] : candidate[2]])
+    return answers
+
+
+def squad_v1(
+    contexts: Sequence[str],
+    windows: Sequence[Window],
+    start_logits: Sequence[np.ndarray],
+    end_logits: Sequence[np.ndarray],
+    *,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+) -> list[str]:
+    """SQuAD v1.1 decoding: always the best span."""
+    return decode_answers(
+        contexts,
+        windows,
+        start_logits,
+        end_logits,
+        n_best=n_best,
+        max_answer_length=max_answer_length,
+        version_2=False,
+    )
+
+
+def squad_v2(
+    contexts: Sequence[str],
+    windows: Sequence[Window],
+    start_logits: Sequence[np.ndarray],
+    end_logits: Sequence[np.ndarray],
+    *,
+    n_best: int = 20,
+    max_answer_length: int = 30,
+) -> list[str]:
+    """SQuAD v2.0 decoding: the best span, or no answer when the null score beats it."""
+    return decode_answers(
+        contexts,
+        windows,
+        start_logits,
+        end_logits,
+        n_best=n_best,
+        max_answer_length=max_answer_length,
+        version_2=True,
+    )
+
+
+#: Postprocessors a task YAML can name in ``options.postprocessor``, with whether they score v2.
+POSTPROCESSORS: dict[str, tuple[Callable[..., list[str]], bool]] = {
+    "squad_v1": (squad_v1, False),
+    "squad_v2": (squad_v2, True),
+}
+
+
+def squad_options(task: TaskConfig) -> dict[str, Any]:
+    """The task's SQuAD options with defaults, validated."""
+    options = {**_OPTION_DEFAULTS, **dict(task.options)}
+    unknown = sorted(set(options) - set(_OPTION_DEFAULTS))
+    if unknown:
+        raise UserError(
+            f"task {task.name}: unknown squad option(s) {unknown}; allowed: {sorted(_OPTION_DEFAULTS)}"
+        )
+    if options["postprocessor"] not in POSTPROCESSORS:
+        raise UserError(
+            f"task {task.name}: postprocessor must be one of {sorted(POSTPROCESSORS)}, "
+            f"got {options['postprocessor']!r}"
+        )
+    for key in ("doc_stride", "n_best", "max_answer_length"):
+        value = options[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"task {task.name}: option {key} must be a positive int, got {value!r}")
+    return options
+
+
+class SquadKind:
+    """Extractive question answering with a trained ``qa_outputs`` head."""
+
+    name = "squad"
+
+    def load_model(self, model: str | Path, task: TaskConfig, device: str) -> LoadedModel:
+        """Load an ``AutoModelForQuestionAnswering``; refuse one without a trained QA head."""
+        from transformers import AutoModelForQuestionAnswering
+
+        squad_options(task)
+        loaded, tokenizer = load_with_head(
+            model, AutoModelForQuestionAnswering, ("qa_outputs",), "question-answering", task.name, device
+        )
+        return LoadedModel(model=loaded, tokenizer=tokenizer)
+
+    def load_examples(
+        self, task: TaskConfig, data_dir: Path | Sequence[Path] | None, limit: int | None
+    ) -> Examples:
+        """Read the questions (``limit`` counts questions, not windows)."""
+        rows = load_rows(task, data_dir, limit)
+        items = []
+        for row in rows.rows:
+            try:
+                answers = row["answers"]
+                items.append(
+                    {
+                        "id": str(row["id"]),
+                        "question": str(row["question"]),
+                        "context": str(row["context"]),
+                        "answers": list(answers["text"]),
+                    }
+                )
+            except (KeyError, TypeError):
+                raise UserError(
+                    f"{rows.source}: a SQuAD row needs id, question, context and answers.text; "
+                    f"got keys {sorted(row)}"
+                ) from None
+        return Examples(items=items, source=rows.source, count=len(items))
+
+    def score(
+        self,
+        loaded: LoadedModel,
+        task: TaskConfig,
+        examples: Examples,
+        settings: ScoreSettings,
+        advance: Progress,
+    ) -> dict[str, float]:
+        """Run every window, decode answers with the task's postprocessor, compute EM/F1."""
+        options = squad_options(task)
+        max_length = settings.max_length or task.max_length
+        key = ("windows", max_length, options["doc_stride"])
+        items = examples.items
+        if key not in loaded.extra:
+            loaded.extra[key] = make_windows(
+                loaded.tokenizer,
+                [item["question"] for item in items],
+                [item["context"] for item in items],
+                max_length,
+                options["doc_stride"],
+            )
+        windows: list[Window] = loaded.extra[key]
+        starts: list[np.ndarray | None] = [None] * len(windows)
+        ends: list[np.ndarray | None] = [None] * len(windows)
+        done = 0
+        with torch.inference_mode():
+            for batch in length_sorted_batches([len(w.input_ids) for w in windows], settings.batch_size):
+                inputs = pad_batch(
+                    loaded.tokenizer, [windows[index].features() for index in batch], settings.device
+                )
+                output = loaded.model(**inputs)
+                start_logits = output.start_logits.float().cpu().numpy()
+                end_logits = output.end_logits.float().cpu().numpy()
+                for row, index in enumerate(batch):
+                    length = len(windows[index].input_ids)
+                    starts[index] = start_logits[row, :length]
+                    ends[index] = end_logits[row, :length]
+                done += len(batch)
+                advance(done, len(windows))
+        postprocess, version_2 = POSTPROCESSORS[options["postprocessor"]]
+        answers = postprocess(
+            [item["context"] for item in items],
+            windows,
+            starts,
+            ends,
+            n_best=options["n_best"],
+            max_answer_length=options["max_answer_length"],
+        )
+        predictions = {item["id"]: answer for item, answer in zip(items, answers, strict=True)}
+        references: Mapping[str, list[str]] = {item["id"]: item["answers"] for item in items}
+        scores = squad_scores(predictions, references, version_2=version_2)
+        return {metric: scores[metric] for metric in task.metric_names if metric in scores}
+
+
+SQUAD = register_kind(SquadKind())

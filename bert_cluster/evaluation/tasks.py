@@ -1,0 +1,355 @@
+"""Task definitions as data: ``configs/tasks/**/*.yaml`` loaded into validated ``TaskConfig`` objects.
+
+A task file names its kind (``classification``, ``squad``, ``sts-embedding``, ...), where its dev data
+lives (local files in one or more layouts, and the hub dataset for users who can reach it), which
+fields hold the text and the label, the label names in the dataset's order, the metrics with their
+display names and the default lengths. Anything a single kind needs goes under ``options``.
+A file may start from another with ``include: other.yaml`` (relative to itself) and override keys;
+mappings merge recursively, everything else is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bert_cluster.evaluation.errors import UserError
+
+#: Local file formats ``data.py`` can read.
+FILE_FORMATS = ("tsv", "parquet", "squad-json", "jsonl", "csv")
+
+_TOP_KEYS = {
+    "name",
+    "kind",
+    "version",
+    "description",
+    "data",
+    "text_fields",
+    "label_field",
+    "label_names",
+    "metrics",
+    "max_length",
+    "batch_size",
+    "options",
+    "include",
+    "metadata",
+}
+_DATA_KEYS = {"hub", "files"}
+_HUB_KEYS = {"path", "name", "split"}
+_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding"}
+
+
+def config_root() -> Path:
+    """The ``configs`` folder: ``$BERT_CLUSTER_CONFIGS``, inside the package, or at the repository root."""
+    env = os.environ.get("BERT_CLUSTER_CONFIGS")
+    if env:
+        return Path(env)
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs", package.parent / "configs"):
+        if (candidate / "tasks").is_dir():
+            return candidate
+    return package.parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class HubSpec:
+    """A ``datasets.load_dataset(path, name, split=split)`` call, for users who can reach the hub."""
+
+    path: str
+    name: str | None = None
+    split: str = "validation"
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalFile:
+    """One local file a task can be read from, relative to a data folder.
+
+    Attributes:
+        path: relative path; may hold ``*`` (``mnli/validation_matched-*.parquet``).
+        format: one of ``FILE_FORMATS``.
+        header: whether a TSV/CSV file starts with a header line.
+        columns: canonical field -> column in this file (a header name, or an int position; -1 = last).
+            Fields not named keep their own name.
+        quoting: honour double quotes in TSV/CSV (GLUE's sentence files need this off).
+        encoding: text encoding (``utf-8-sig`` drops MRPC's byte-order mark).
+    """
+
+    path: str
+    format: str
+    header: bool = True
+    columns: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
+    quoting: bool = False
+    encoding: str = "utf-8-sig"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where a task's evaluation split lives: local candidates first, then the hub."""
+
+    files: tuple[LocalFile, ...] = ()
+    hub: HubSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """A metric as the kind computes it (``name``) and as tables show it (``display``)."""
+
+    name: str
+    display: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """One evaluation task, as read from its YAML file.
+
+    Attributes:
+        name: the name users pass to ``--task``.
+        kind: the registered ``TaskKind`` that loads and scores it.
+        version: bumped when the data, preprocessing or metric changes (goes into results.json).
+        description: one line for ``bert-cluster ls``.
+        data: local files and hub dataset.
+        text_fields: the canonical fields holding the input text(s), in model-input order.
+        label_field: the canonical field holding the gold label (None: the kind knows).
+        label_names: label names in the dataset's index order (None: regression or not applicable).
+        metrics: what ``score`` returns, in display order.
+        max_length: default truncation length in tokens.
+        batch_size: default batch size.
+        options: kind-specific settings (e.g. SQuAD's ``doc_stride``); validated by the kind.
+        source: the YAML file this came from.
+    """
+
+    name: str
+    kind: str
+    version: int
+    description: str
+    data: DataSpec
+    text_fields: tuple[str, ...] = ()
+    label_field: str | None = None
+    label_names: tuple[str, ...] | None = None
+    metrics: tuple[MetricSpec, ...] = ()
+    max_length: int = 512
+    batch_size: int = 32
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    source: str | None = None
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The metric keys ``score`` returns."""
+        return tuple(metric.name for metric in self.metrics)
+
+    def display(self, metric: str) -> str:
+        """The display name of ``metric`` (itself when unknown)."""
+        for spec in self.metrics:
+            if spec.name == metric:
+                return spec.display
+        return metric
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (as recorded in results.json)."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read ``path`` and resolve its ``include:`` chain."""
+    path = path.resolve()
+    if path in seen:
+        raise UserError(f"{path}: include cycle through {[str(p) for p in seen]}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UserError(f"cannot read task file {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise UserError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{path}: a task file must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    include = raw.pop("include", None)
+    if include is None:
+        return raw
+    if not isinstance(include, str):
+        raise UserError(f"{path}: include must be a file name, got {include!r}")
+    return _merge(_read_yaml(path.parent / include, (*seen, path)), raw)
+
+
+def _require(where: str, condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(f"{where}: {message}")
+
+
+def _check_keys(where: str, data: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(data) - allowed)
+    _require(where, not unknown, f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _parse_file(where: str, raw: Any) -> LocalFile:
+    _require(where, isinstance(raw, Mapping), f"each data.files entry must be a mapping, got {raw!r}")
+    _check_keys(where, raw, _FILE_KEYS)
+    _require(where, isinstance(raw.get("path"), str) and raw["path"], "data.files entry needs a path")
+    fmt = raw.get("format")
+    _require(where, fmt in FILE_FORMATS, f"data file format must be one of {FILE_FORMATS}, got {fmt!r}")
+    columns = raw.get("columns", {}) or {}
+    _require(where, isinstance(columns, Mapping), f"columns must be a mapping, got {columns!r}")
+    for field, column in columns.items():
+        ok = isinstance(column, str) or (isinstance(column, int) and not isinstance(column, bool))
+        _require(where, ok, f"column for {field!r} must be a name or an int position, got {column!r}")
+    for flag in ("header", "quoting"):
+        _require(where, isinstance(raw.get(flag, True), bool), f"{flag} must be true or false")
+    return LocalFile(
+        path=raw["path"],
+        format=fmt,
+        header=raw.get("header", True),
+        columns=dict(columns),
+        quoting=raw.get("quoting", False),
+        encoding=raw.get("encoding", "utf-8-sig"),
+    )
+
+
+def parse_task(raw: Mapping[str, Any], source: str | None = None) -> TaskConfig:
+    """Validate a task mapping (a YAML file after ``include``) into a ``TaskConfig``."""
+    where = source or str(raw.get("name", "<task>"))
+    _check_keys(where, raw, _TOP_KEYS)
+    name, kind = raw.get("name"), raw.get("kind")
+    _require(where, isinstance(name, str) and name.strip() != "", "name must be a non-empty string")
+    _require(where, isinstance(kind, str) and kind.strip() != "", "kind must be a non-empty string")
+    metadata = raw.get("metadata") or {}
+    _require(where, isinstance(metadata, Mapping), "metadata must be a mapping")
+    version = raw.get("version", metadata.get("version"))
+    _require(
+        where,
+        isinstance(version, int) and not isinstance(version, bool) and version >= 0,
+        f"version must be a non-negative int, got {version!r}",
+    )
+
+    data = raw.get("data") or {}
+    _require(where, isinstance(data, Mapping), "data must be a mapping")
+    _check_keys(where + " data", data, _DATA_KEYS)
+    files = data.get("files") or []
+    _require(where, isinstance(files, list), "data.files must be a list")
+    hub = data.get("hub")
+    hub_spec = None
+    if hub is not None:
+        _require(where, isinstance(hub, Mapping), "data.hub must be a mapping")
+        _check_keys(where + " data.hub", hub, _HUB_KEYS)
+        _require(where, isinstance(hub.get("path"), str), "data.hub needs a path (a hub dataset id)")
+        hub_spec = HubSpec(path=hub["path"], name=hub.get("name"), split=hub.get("split", "validation"))
+    spec = DataSpec(files=tuple(_parse_file(where, item) for item in files), hub=hub_spec)
+
+    text_fields = raw.get("text_fields") or []
+    _require(
+        where,
+        isinstance(text_fields, list) and all(isinstance(f, str) for f in text_fields),
+        "text_fields must be a list of field names",
+    )
+    label_field = raw.get("label_field")
+    _require(where, label_field is None or isinstance(label_field, str), "label_field must be a string")
+    label_names = raw.get("label_names")
+    if label_names is not None:
+        _require(
+            where,
+            isinstance(label_names, list)
+            and all(isinstance(n, str) for n in label_names)
+            and len(set(label_names)) == len(label_names)
+            and label_names,
+            "label_names must be a list of distinct strings",
+        )
+        label_names = tuple(label_names)
+
+    metrics = []
+    for item in raw.get("metrics") or []:
+        if isinstance(item, str):
+            item = {"name": item}
+        _require(
+            where,
+            isinstance(item, Mapping) and isinstance(item.get("name"), str),
+            f"each metric must be a name or {{name, display}}, got {item!r}",
+        )
+        _check_keys(where + " metric", item, {"name", "display"})
+        metrics.append(MetricSpec(name=item["name"], display=str(item.get("display", item["name"]))))
+    _require(where, len({m.name for m in metrics}) == len(metrics), "metric names must be distinct")
+
+    for key, default in (("max_length", 512), ("batch_size", 32)):
+        value = raw.get(key, default)
+        _require(
+            where,
+            isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            f"{key} must be a positive int, got {value!r}",
+        )
+    options = raw.get("options") or {}
+    _require(where, isinstance(options, Mapping), "options must be a mapping")
+    description = raw.get("description", "")
+    _require(where, isinstance(description, str), "description must be a string")
+    return TaskConfig(
+        name=name.strip(),
+        kind=kind.strip(),
+        version=version,
+        description=" ".join(description.split()),
+        data=spec,
+        text_fields=tuple(text_fields),
+        label_field=label_field,
+        label_names=label_names,
+        metrics=tuple(metrics),
+        max_length=raw.get("max_length", 512),
+        batch_size=raw.get("batch_size", 32),
+        options=dict(options),
+        source=source,
+    )
+
+
+def load_task_file(path: str | Path) -> TaskConfig:
+    """Read and validate one task YAML file (following ``include:``)."""
+    path = Path(path)
+    return parse_task(_read_yaml(path), source=str(path))
+
+
+def task_files(root: Path | None = None) -> list[Path]:
+    """Every task YAML under ``root/tasks`` (default: ``config_root()``), sorted."""
+    root = root or config_root()
+    return sorted((root / "tasks").rglob("*.yaml"))
+
+
+def load_tasks(root: Path | None = None) -> dict[str, TaskConfig]:
+    """All tasks by name; a duplicated name is an error (two files would shadow each other)."""
+    tasks: dict[str, TaskConfig] = {}
+    for path in task_files(root):
+        task = load_task_file(path)
+        if task.name in tasks:
+            raise UserError(f"task name {task.name!r} is defined twice: {tasks[task.name].source} and {path}")
+        tasks[task.name] = task
+    return tasks
+
+
+def get_tasks(names: str | list[str] | tuple[str, ...], root: Path | None = None) -> list[TaskConfig]:
+    """Resolve task names (a list or one comma-separated string) to configs, in the order given."""
+    if isinstance(names, str):
+        names = [names]
+    wanted = [part.strip() for name in names for part in str(name).split(",") if part.strip()]
+    if not wanted:
+        raise UserError("no task given; see `bert-cluster ls` for the task names")
+    available = load_tasks(root)
+    unknown = [name for name in wanted if name not in available]
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(available))}")
+    return [available[name] for name in dict.fromkeys(wanted)]

@@ -1,0 +1,188 @@
+"""The ``bert_cluster`` op schemas, their fake (meta) kernels and typed wrappers: the only C++ bridge.
+
+The schemas live here, in Python, so that they exist (and ``torch.compile`` can trace them through the
+fake kernels) whether or not ``bert_cluster._C`` was built. ``kernels/cpu/*.cpp`` and
+``kernels/cuda/*.cu`` only register implementations for these names. Each op has the name, argument
+order and output shapes of the matching function in ``bert_cluster.reference``.
+
+This module is imported lazily (by ``bert_cluster._loader`` and the kernel backends in
+``bert_cluster.dispatch``), never by ``import bert_cluster``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = "bert_cluster"
+
+#: op name -> schema (arguments after the name). Floats are C++ doubles, ints int64.
+SCHEMAS: dict[str, str] = {
+    "hash_queries": "(Tensor queries, Tensor planes, Tensor offsets) -> Tensor",
+    "hamming_kmeans": (
+        "(Tensor hashes, Tensor valid, int clusters, int iterations, int bits) -> (Tensor, Tensor)"
+    ),
+    "group_queries": "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
+    "centroid_attention": (
+        "(Tensor centroids, Tensor keys, Tensor values, Tensor valid, int topk, float scaling) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "topk_refine": (
+        "(Tensor queries, Tensor keys, Tensor values, Tensor assignments, Tensor centroid_values, "
+        "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) -> Tensor"
+    ),
+    "broadcast_clusters": "(Tensor centroid_values, Tensor assignments) -> Tensor",
+    "exact_attention": "(Tensor queries, Tensor keys, Tensor values, Tensor valid, float scaling) -> Tensor",
+}
+
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+for _name, _schema in SCHEMAS.items():
+    _LIB.define(_name + _schema)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fake kernels: shapes and dtypes only (what torch.compile and opcheck trace with).
+
+
+@torch.library.register_fake(f"{NAMESPACE}::hash_queries")
+def _hash_queries_fake(queries, planes, offsets):
+    return queries.new_empty(queries.shape[:-1], dtype=torch.int64)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::hamming_kmeans")
+def _hamming_kmeans_fake(hashes, valid, clusters, iterations, bits):
+    rows, heads, _ = hashes.shape
+    return hashes.new_empty(hashes.shape, dtype=torch.int64), hashes.new_empty(
+        (rows, heads, clusters), dtype=torch.int64
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::group_queries")
+def _group_queries_fake(queries, assignments, clusters):
+    rows, heads, _, dk = queries.shape
+    return (
+        queries.new_empty((rows, heads, clusters, dk), dtype=torch.float32),
+        queries.new_empty((rows, heads, clusters), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::centroid_attention")
+def _centroid_attention_fake(centroids, keys, values, valid, topk, scaling):
+    rows, heads, clusters, _ = centroids.shape
+    dv = values.shape[-1]
+    k = torch.sym_min(topk, keys.shape[-2])
+    return (
+        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
+        centroids.new_empty((rows, heads, clusters, k), dtype=torch.int64),
+        centroids.new_empty((rows, heads, clusters), dtype=torch.float32),
+        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::topk_refine")
+def _topk_refine_fake(
+    queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
+):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::broadcast_clusters")
+def _broadcast_clusters_fake(centroid_values, assignments):
+    return centroid_values.new_empty((*assignments.shape, centroid_values.shape[-1]))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::exact_attention")
+def _exact_attention_fake(queries, keys, values, valid, scaling):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed wrappers (same signatures as bert_cluster.reference).
+
+_ops = getattr(torch.ops, NAMESPACE)
+_loaded = [False]  # whether _loader.load() ran: the CPU/CUDA implementations register when _C loads
+
+
+def _ensure_loaded() -> None:
+    if not _loaded[0]:
+        from bert_cluster import _loader
+
+        _loader.load()
+        _loaded[0] = True
+
+
+def hash_queries(queries: torch.Tensor, planes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """See ``reference.hash_queries``: int64 ``(R, H, N)`` hashes."""
+    _ensure_loaded()
+    return _ops.hash_queries.default(queries, planes, offsets)
+
+
+def hamming_kmeans(
+    hashes: torch.Tensor, valid: torch.Tensor, clusters: int, iterations: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``reference.hamming_kmeans``: assignments ``(R, H, N)`` and centroid hashes ``(R, H, C)``."""
+    _ensure_loaded()
+    return _ops.hamming_kmeans.default(hashes, valid, clusters, iterations, bits)
+
+
+def group_queries(
+    queries: torch.Tensor, assignments: torch.Tensor, clusters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``reference.group_queries``: float32 centroids ``(R, H, C, Dk)`` and counts ``(R, H, C)``."""
+    _ensure_loaded()
+    return _ops.group_queries.default(queries, assignments, clusters)
+
+
+def centroid_attention(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ``reference.centroid_attention``: ``(Vc, topk_indices, topk_mass, topk_values)``."""
+    _ensure_loaded()
+    return _ops.centroid_attention.default(centroids, keys, values, valid, topk, float(scaling))
+
+
+def topk_refine(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """See ``reference.topk_refine``: float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.topk_refine.default(
+        queries,
+        keys,
+        values,
+        assignments,
+        centroid_values,
+        topk_indices,
+        topk_mass,
+        topk_values,
+        float(scaling),
+    )
+
+
+def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
+    """See ``reference.broadcast_clusters``: ``(R, H, N, Dv)`` in ``centroid_values``' dtype."""
+    _ensure_loaded()
+    return _ops.broadcast_clusters.default(centroid_values, assignments)
+
+
+def exact_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """See ``reference.exact_attention``: float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.exact_attention.default(queries, keys, values, valid, float(scaling))
+
+
+OPS = tuple(SCHEMAS)

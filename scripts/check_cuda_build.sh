@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# CI compile gate for the CUDA kernels (no GPU needed): builds bert_cluster._C with CUDA for sm_90 against
+# the CUDA build of torch (a separate venv, .venv-cuda, reused when present), into a temporary folder,
+# then imports it and checks that every op registered a CUDA kernel.
+#
+# Facts this relies on: torch==2.14.1 (+cu130) matches /usr/local/cuda's nvcc 13.0; the system toolkit
+# lacks cusparse.h, which the pip wheels ship under site-packages/nvidia/cu13/include (setup.py adds it).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${BERT_CLUSTER_CUDA_VENV:-$ROOT/.venv-cuda}"
+TORCH_SPEC="${BERT_CLUSTER_CUDA_TORCH:-torch==2.14.1}"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-2}"
+
+if [[ ! -x "$CUDA_HOME/bin/nvcc" ]]; then
+  echo "check_cuda_build: no nvcc under CUDA_HOME=$CUDA_HOME" >&2
+  exit 1
+fi
+if ! "$VENV/bin/python" -c "import torch, ninja, setuptools; assert torch.version.cuda" 2>/dev/null; then
+  echo "check_cuda_build: creating $VENV with $TORCH_SPEC (large; reused next time)"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "$TORCH_SPEC" ninja setuptools wheel packaging numpy
+fi
+PY="$VENV/bin/python"
+"$PY" -c "import torch; print('check_cuda_build: torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+cd "$ROOT"
+BERT_CLUSTER_BUILD_CUDA=1 "$PY" setup.py build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp" >"$WORK/build.log" 2>&1 || {
+  tail -60 "$WORK/build.log" >&2
+  echo "check_cuda_build: FAILED to compile" >&2
+  exit 1
+}
+if grep -E "\.cu.*warning|warning #" "$WORK/build.log" >/dev/null; then
+  echo "check_cuda_build: nvcc warnings:" >&2
+  grep -E -A3 "\.cu.*warning|warning #" "$WORK/build.log" >&2 || true
+fi
+# Import the fresh build next to a copy of the Python package (the checkout's own _C is left alone).
+mkdir -p "$WORK/pkg"
+cp -r "$ROOT/bert_cluster" "$WORK/pkg/bert_cluster"
+rm -f "$WORK/pkg/bert_cluster"/_C*.so
+cp "$WORK/lib/bert_cluster"/_C*.so "$WORK/pkg/bert_cluster/"
+cd "$WORK"
+PYTHONPATH="$WORK/pkg" "$PY" - <<'PY'
+import torch
+
+from bert_cluster import _loader, ops
+
+state = _loader.load()
+assert state["loaded"], state["reason"]
+assert state["with_cuda"], "built without CUDA"
+missing = {key: [op for op in ops.OPS if not _loader._has_kernel(op, key)] for key in ("CPU", "CUDA")}
+assert not any(missing.values()), f"ops without a kernel: {missing}"
+print(f"check_cuda_build: OK, {len(ops.OPS)} ops registered for CPU and CUDA "
+      f"(torch {torch.__version__}, cuda {torch.version.cuda}, GPU visible: {torch.cuda.is_available()})")
+PY

@@ -1,0 +1,105 @@
+"""Tiny random checkpoints and data files for the evaluation plumbing (no download, a second to build)."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PIECES = list(string.ascii_lowercase + string.digits + string.punctuation)
+VOCAB = SPECIALS + PIECES + ["##" + piece for piece in PIECES]
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A character-level WordPiece tokenizer (fast), so offsets work for any English text."""
+    from transformers import BertTokenizer  # transformers 5: backed by `tokenizers` (fast)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    BertTokenizer(
+        vocab={piece: index for index, piece in enumerate(VOCAB)}, do_lower_case=True
+    ).save_pretrained(folder)
+
+
+def tiny_bert_config(num_labels: int = 2, labels: Sequence[str] | None = None):
+    from transformers import BertConfig
+
+    config = BertConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        initializer_range=0.2,
+        num_labels=num_labels,
+    )
+    if labels is not None:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: index for index, name in enumerate(labels)}
+    return config
+
+
+def save_model(
+    folder: Path,
+    head: str = "cls",
+    labels: Sequence[str] | None = ("entailment", "not_entailment"),
+    num_labels: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random 2-layer BERT with a ``cls`` (sequence classification), ``qa`` or ``base`` head."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    count = num_labels if num_labels is not None else (len(labels) if labels else 2)
+    config = tiny_bert_config(count, labels)
+    model_class = {
+        "cls": T.BertForSequenceClassification,
+        "qa": T.BertForQuestionAnswering,
+        "base": T.BertModel,
+    }[head]
+    model = model_class(config).eval()
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
+
+
+def swap_labels(source: Path, folder: Path) -> Path:
+    """The same classifier with its two outputs and label names swapped: the same predictions by name."""
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification.from_pretrained(source)
+    with torch.no_grad():
+        model.classifier.weight.copy_(model.classifier.weight.flip(0))
+        model.classifier.bias.copy_(model.classifier.bias.flip(0))
+    names = [model.config.id2label[1], model.config.id2label[0]]
+    model.config.id2label = dict(enumerate(names))
+    model.config.label2id = {name: index for index, name in enumerate(names)}
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
+
+
+def write_rte(folder: Path, rows: Sequence[tuple[str, str, str]]) -> Path:
+    """``folder/RTE/dev.tsv`` in the GLUE layout (header; string labels; quotes are text)."""
+    path = folder / "RTE" / "dev.tsv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["index\tsentence1\tsentence2\tlabel"]
+    lines += [f"{index}\t{a}\t{b}\t{label}" for index, (a, b, label) in enumerate(rows)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+RTE_ROWS = [
+    ("A cat sat on the mat.", "A cat sat.", "entailment"),
+    ('He said "yes, it works.', "He agreed.", "entailment"),
+    ("The sky is green.", "The sky is blue.", "not_entailment"),
+    ("Dogs bark at night.", "Cats bark.", "not_entailment"),
+    ("Paris is in France.", "Paris is a city in France.", "entailment"),
+    ("It rained all day.", "The ground stayed dry.", "not_entailment"),
+    ("Tom bought 3 apples.", "Tom has apples.", "entailment"),
+    ("The shop was closed on Sunday, so we left.", "The shop opened.", "not_entailment"),
+]

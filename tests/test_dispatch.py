@@ -1,0 +1,152 @@
+"""Backend choice: auto's priority, forced backends and their reasons, a missing or stale build."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from bert_cluster import _loader, dispatch
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """A loader that has not run yet (restored afterwards), so load() can be replayed with a fake import."""
+    monkeypatch.setattr(_loader, "_state", None)
+    monkeypatch.setattr(_loader, "_warned", False)
+    monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
+    monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
+    return _loader
+
+
+def _fail_import(monkeypatch, error: Exception) -> None:
+    def import_module(name, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(_loader.importlib, "import_module", import_module)
+
+
+def test_priority_and_registry() -> None:
+    assert dispatch.PRIORITY == ["cuda", "cpu", "reference"]
+    assert set(dispatch.BACKENDS) == {"cuda", "cpu", "reference"}
+    for name, backend in dispatch.BACKENDS.items():
+        assert backend.name == name
+        for step in dispatch.STEPS:
+            assert callable(getattr(backend, step)), f"{name} lacks {step}"
+
+
+def test_auto_picks_cpu_kernels_when_built(monkeypatch) -> None:
+    monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
+    monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
+    ok, why = _loader.cpu_available()
+    if not ok:
+        pytest.skip(f"CPU kernels not built: {why}")
+    x = torch.zeros(1, 1, 4, 8)
+    assert dispatch.select_backend("auto", x).name == "cpu"
+
+
+def test_forced_cuda_on_cpu_tensors_lists_reasons() -> None:
+    x = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"backend 'cuda' cannot run.*device cpu not in \['cuda'\]"):
+        dispatch.select_backend("cuda", x)
+
+
+def test_unknown_backend_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown backend 'tpu'; allowed: auto, cuda, cpu, reference"):
+        dispatch.select_backend("tpu", torch.zeros(1))
+
+
+def test_requires_grad_declines_kernels(monkeypatch) -> None:
+    monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
+    monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
+    x = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    reasons = dispatch.CpuKernelBackend.not_supported_reasons(x)
+    assert any("require grad" in reason for reason in reasons)
+    assert dispatch.select_backend("auto", x).name == "reference"
+    with pytest.raises(ValueError, match="require grad"):
+        dispatch.select_backend("cpu", x)
+    with torch.no_grad():  # no graph is recorded: the kernels are fine again
+        assert not any("require grad" in r for r in dispatch.CpuKernelBackend.not_supported_reasons(x))
+
+
+def test_disable_env_forces_reference(monkeypatch) -> None:
+    monkeypatch.setenv("BERT_CLUSTER_DISABLE_KERNELS", "1")
+    assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"
+    assert dispatch.select_backend("cpu", torch.zeros(1)).name == "reference"
+
+
+def test_backend_env_overrides_auto(monkeypatch) -> None:
+    monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
+    monkeypatch.setenv("BERT_CLUSTER_BACKEND", "reference")
+    assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"
+    monkeypatch.setenv("BERT_CLUSTER_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="BERT_CLUSTER_BACKEND='gpu' is not a backend"):
+        dispatch.select_backend("auto", torch.zeros(1))
+
+
+def test_missing_build_falls_back_to_reference_and_warns_once(fresh_loader, monkeypatch) -> None:
+    error = ModuleNotFoundError("No module named 'bert_cluster._C'", name="bert_cluster._C")
+    _fail_import(monkeypatch, error)
+    with pytest.warns(RuntimeWarning, match="absent: bert_cluster._C is not built"):
+        assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second failure must not warn again
+        assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"
+        with pytest.raises(ValueError, match="backend 'cpu' cannot run.*absent"):
+            dispatch.select_backend("cpu", torch.zeros(1))
+    described = {entry["backend"]: entry for entry in dispatch.describe()}
+    assert not described["cpu"]["available"] and "absent" in described["cpu"]["reason"]
+    assert described["reference"]["available"]
+
+
+def test_stale_build_is_reported(fresh_loader, monkeypatch) -> None:
+    error = ImportError("/x/_C.abi3.so: undefined symbol: _ZN3c104impl8GPUTrace")
+    _fail_import(monkeypatch, error)
+    with pytest.warns(RuntimeWarning, match="built for another torch"):
+        state = _loader.load()
+    assert not state["loaded"] and "undefined symbol" in state["reason"]
+
+
+def test_other_import_error_is_reported(fresh_loader, monkeypatch) -> None:
+    _fail_import(monkeypatch, ImportError("libgomp.so.1: cannot open shared object file"))
+    with pytest.warns(RuntimeWarning, match="import error: libgomp"):
+        ok, why = _loader.cpu_available()
+    assert not ok and why.startswith("import error")
+
+
+def test_disabled_kernels_do_not_warn(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("BERT_CLUSTER_DISABLE_KERNELS", "1")
+    _fail_import(monkeypatch, ModuleNotFoundError("gone", name="bert_cluster._C"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loader.load()
+        assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"
+
+
+def test_build_info_reports_everything() -> None:
+    info = _loader.build_info()
+    for key in (
+        "torch",
+        "torch_cuda",
+        "cuda_available",
+        "compiler",
+        "kernels_loaded",
+        "kernels_reason",
+        "kernels_with_cuda",
+        "backends",
+        "auto_backend_cpu",
+    ):
+        assert key in info, key
+    assert info["torch"] == str(torch.__version__)
+    assert [b["backend"] for b in info["backends"]] == ["cuda", "cpu", "reference"]
+    cuda = next(b for b in info["backends"] if b["backend"] == "cuda")
+    if not torch.cuda.is_available():
+        assert not cuda["available"] and cuda["reason"]
+
+
+def test_build_kernels_needs_a_source_checkout(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(_loader, "_ROOT", tmp_path)
+    result = _loader.build_kernels()
+    assert result["ok"] is False and "no setup.py" in result["log"]
+    assert result["cpu_ops"] == [] and result["cuda_ops"] == []
