@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 
@@ -63,6 +65,21 @@ def _extensions() -> tuple[list, dict]:
     return [ext], {"build_ext": BuildExtension}
 
 
+class BuildPyWithConfigs(build_py):
+    """Ship the repository's top-level ``configs/`` inside the package (``bert_cluster/configs``) in wheels.
+
+    An editable install reads them from the checkout instead (``evaluation.tasks.config_root``).
+    """
+
+    def run(self) -> None:  # noqa: D102 - setuptools' command protocol
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            shutil.copytree(
+                ROOT / "configs", Path(self.build_lib) / "bert_cluster" / "configs", dirs_exist_ok=True
+            )
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass["build_py"] = BuildPyWithConfigs
 options = {"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {}
 setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

@@ -62,8 +62,6 @@ def clustered_attention(
         ``(R, H, N, Dv)`` in the input dtype. Rows with at most C valid tokens (or fewer than
         ``config.min_length``) get exact attention. Padded query positions get zeros.
     """
-    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
-
     config = config or ClusteredAttentionConfig()
     if query.dim() != 4 or key.shape[:-1] != query.shape[:-1] or value.shape[:-1] != key.shape[:-1]:
         raise ValueError(
@@ -78,6 +76,15 @@ def clustered_attention(
             f"valid must be a bool tensor of shape {(rows, length)}, got {valid.dtype} {tuple(valid.shape)}"
         )
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    if torch.compiler.is_compiling():
+        # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
+        return _clustered_attention_op(query, key, value, valid, *_config_args(config), scaling, layer)
+    return _route(query, key, value, valid, config, scaling, layer)
+
+
+def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
+    """Short rows to exact attention, the rest through the paper's steps, on the chosen backend."""
+    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
 
     backend = dispatch.select_backend(config.backend, query, key, value)
     lengths = valid.sum(-1)
@@ -92,6 +99,45 @@ def clustered_attention(
     out[s] = backend.exact_attention(query[s], key[s], value[s], valid[s], scaling)
     out[c] = _clustered(backend, query[c], key[c], value[c], valid[c], config, scaling, layer)
     return out.to(query.dtype)
+
+
+_CONFIG_FIELDS = ("clusters", "topk", "bits", "iterations", "mode", "min_length", "seed", "backend")
+
+
+def _config_args(config: ClusteredAttentionConfig) -> tuple:
+    return tuple(getattr(config, name) for name in _CONFIG_FIELDS)
+
+
+@torch.library.custom_op("bert_cluster::clustered_attention", mutates_args=())
+def _clustered_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    clusters: int,
+    topk: int,
+    bits: int,
+    iterations: int,
+    mode: str,
+    min_length: int,
+    seed: int,
+    backend: str,
+    scaling: float,
+    layer: int,
+) -> torch.Tensor:
+    """``clustered_attention`` as one opaque op, which is what torch.compile sees.
+
+    Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
+    Forward only: compiling a patched model is for inference; eager training uses the reference path.
+    """
+    values = (clusters, topk, bits, iterations, mode, min_length, seed, backend)
+    config = ClusteredAttentionConfig(**dict(zip(_CONFIG_FIELDS, values, strict=True)))
+    return _route(query, key, value, valid, config, scaling, layer)
+
+
+@_clustered_attention_op.register_fake
+def _(query, key, value, valid, *settings):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
 def _clustered(backend, query, key, value, valid, config, scaling, layer) -> torch.Tensor:

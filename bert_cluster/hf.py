@@ -55,12 +55,12 @@ def key_padding_mask(
 ) -> torch.Tensor | None:
     """The mask transformers hands to ``attention_forward``: bool ``(batch, kv_length)``, True on real tokens.
 
-    None when nothing is padded. Clustered attention needs per-row valid keys, not a 4-D bias.
+    Clustered attention needs per-row valid keys, not a 4-D bias. The mask is passed on even when
+    nothing is padded: testing that would be a host sync and a torch.compile graph break.
     """
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
-    return None if bool(attention_mask.all()) else attention_mask
+    return attention_mask[:, -kv_length:].to(torch.bool)
 
 
 def _settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:

@@ -20,7 +20,8 @@ Rules fixed here that the paper leaves open:
   cluster keeps the previous bit;
 * L iterations are L (assign, update) rounds followed by a final assignment;
 * top-k: the k largest centroid scores among valid keys, ties to the lowest key index; slots beyond
-  a row's valid keys hold index -1 and get no weight.
+  a row's valid keys hold index -1 and get no weight;
+* K-means may stop early at a fixed point (no centroid changed): the result equals L full rounds.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ def hamming_kmeans(
     centroids, present = _initial_centroids(hashes, valid, clusters)
     for _ in range(iterations):
         assignments = _assign(hashes, valid, centroids, present, bits)
-        centroids = _majority_update(hashes, assignments, centroids, clusters, bits)
+        updated = _majority_update(hashes, assignments, centroids, clusters, bits)
+        if torch.equal(updated, centroids):
+            break  # a fixed point: further rounds change nothing
+        centroids = updated
     return _assign(hashes, valid, centroids, present, bits), centroids
 
 
@@ -153,13 +157,12 @@ def centroid_attention(
         empty = centroid_values.new_zeros(centroid_values.shape[:-1])
         indices = torch.empty(*centroid_values.shape[:-1], 0, dtype=torch.int64, device=keys.device)
         return centroid_values, indices, empty, torch.zeros_like(centroid_values)
-    # Sort by (score desc, index asc): a stable descending sort keeps the lowest index first on ties.
-    order = torch.sort(
-        weights.masked_fill(~valid[:, None, None, :], -1.0), dim=-1, descending=True, stable=True
-    )
-    top_weights, indices = order.values[..., :k], order.indices[..., :k]
-    picked = top_weights >= 0  # False on padded keys (weight -1 above)
-    top_weights = top_weights.clamp(min=0) * picked
+    # Rank by score (not weight: distinct scores can round to equal weights), descending; the stable
+    # sort keeps the lowest key index first on ties, and padded keys (-inf) sort last.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    indices = order.indices[..., :k]
+    picked = order.values[..., :k] > -math.inf
+    top_weights = weights.gather(-1, indices) * picked
     indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
     gathered = _gather_rows(values.float(), indices)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_model
+from families import tiny_model
 
 import bert_cluster
 
@@ -206,3 +206,14 @@ def test_real_minilm_sentence_embeddings_stay_close(shared_dir, minilm_dir):
     assert cosine.mean() > 0.99
     assert cosine.min() > 0.97
     assert cosine.mean() < 0.99999  # and the approximation was really exercised
+
+
+def test_torch_compile_traces_a_patched_model_without_graph_breaks():
+    model = tiny_model("bert")
+    bert_cluster.convert(model, clusters=4, topk=3)
+    ids, mask = padded_batch(0)
+    eager = run(model, ids, mask).last_hidden_state
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a break raises
+    with torch.inference_mode():
+        out = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(out, eager)

@@ -59,8 +59,9 @@ class TaskKind(Protocol):
         """Read the task's dev examples (local files first, the hub when reachable)."""
         ...
 
-    def score(self, loaded: LoadedModel, task: Any, examples: Examples, settings: ScoreSettings,
-              advance: Progress) -> dict[str, float]:
+    def score(
+        self, loaded: LoadedModel, task: Any, examples: Examples, settings: ScoreSettings, advance: Progress
+    ) -> dict[str, float]:
         """Run the (possibly patched) model over the examples and return metric name -> value."""
         ...
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -184,7 +185,7 @@ at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes,
   const float* pt = planes_t.data_ptr<float>();
   const float* op = off.data_ptr<float>();
   int64_t* h = out.data_ptr<int64_t>();
-  at::parallel_for(0, count, 512, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 512, [&](int64_t begin, int64_t end) {
     hash_rows(qp + begin * dk, pt, op, end - begin, dk, bits, h + begin);
   });
   return out;
@@ -202,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cpu(const at::Tensor& hashes, 
   const bool* vp = v.data_ptr<bool>();
   int64_t* ap = assignments.data_ptr<int64_t>();
   int64_t* cp = centroids.data_ptr<int64_t>();
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / heads;
       kmeans_one(hp + rh * n, vp + r * n, n, clusters, iterations, bits, ap + rh * n, cp + rh * clusters);

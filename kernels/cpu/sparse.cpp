@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -166,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, 
   const int64_t* ap = a.data_ptr<int64_t>();
   float* sp = sums.data_ptr<float>();
   float* cp = counts.data_ptr<float>();
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       float* s = sp + rh * clusters * dk;
       float* c = cp + rh * clusters;
@@ -207,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
   int64_t* ip = indices.data_ptr<int64_t>();
   float* mp = mass.data_ptr<float>();
   float* tp = top_values.data_ptr<float>();
-  at::parallel_for(0, rows * heads * clusters, 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads * clusters, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scaled(k > 0 ? n : 0);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t r = row / (heads * clusters);
@@ -251,7 +252,7 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   std::vector<int64_t> start(rows * heads * (clusters + 1));
   std::vector<int64_t> order(rows * heads * n);
   const int64_t* ap = a.data_ptr<int64_t>();
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       int64_t* st = start.data() + rh * (clusters + 1);
       std::fill(st, st + clusters + 1, 0);
@@ -279,7 +280,7 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   const int64_t kp = round_up(k), dvp = round_up(dv);
-  at::parallel_for(0, rows * heads * clusters, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads * clusters, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, kt(dk * kp), vt(k * dvp), scores(kp), base(dvp), row(dvp);
     std::vector<int64_t> slot(k);
     for (int64_t task = begin; task < end; ++task) {
@@ -326,7 +327,7 @@ at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::T
     const scalar_t* cvp = cv.data_ptr<scalar_t>();
     const int64_t* ap = a.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * heads * n, 256, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows * heads * n, 256, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t c = ap[i];
         TORCH_CHECK_VALUE(c >= -1 && c < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", c);
@@ -353,7 +354,7 @@ at::Tensor exact_attention_cpu(const at::Tensor& queries, const at::Tensor& keys
   float* wp = weights.data_ptr<float>();
   const bool* okp = ok.data_ptr<bool>();
   const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, rows * heads * n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t r = row / (heads * n), i = row % n;
       float* w = wp + row * n;
