@@ -9,6 +9,10 @@
 #include <numeric>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "../checks.h"
 #include "parallel.h"
 #include "vec.h"
@@ -32,7 +36,35 @@ void hash_rows(const float* __restrict q, const float* __restrict planes_t, cons
   const f32x16 o0 = load16(offsets), o1 = load16(offsets + 16);
   const f32x16 o2 = load16(offsets + 32), o3 = load16(offsets + 48);
   float projections[64];
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+  // Two queries at a time: eight independent FMA chains instead of four (the loop is latency-bound), each
+  // query's sums in the same order as below, so its bits do not depend on the pairing.
+  for (; i + 2 <= count; i += 2) {
+    const float* qi = q + i * dk;
+    const float* qj = qi + dk;
+    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+    for (int64_t d = 0; d < dk; ++d) {
+      const float* w = planes_t + d * 64;
+      const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+      const float x = qi[d], y = qj[d];
+      a0 += x * w0;
+      a1 += x * w1;
+      a2 += x * w2;
+      a3 += x * w3;
+      b0 += y * w0;
+      b1 += y * w1;
+      b2 += y * w2;
+      b3 += y * w3;
+    }
+    const f32x16 sums[2][4] = {{a0 + o0, a1 + o1, a2 + o2, a3 + o3}, {b0 + o0, b1 + o1, b2 + o2, b3 + o3}};
+    for (int j = 0; j < 2; ++j) {
+      std::memcpy(projections, sums[j], sizeof(projections));
+      uint64_t h = 0;
+      for (int64_t b = 0; b < bits; ++b) h |= static_cast<uint64_t>(projections[b] > 0.f) << b;
+      out[i + j] = static_cast<int64_t>(h);
+    }
+  }
+  for (; i < count; ++i) {
     const float* qi = q + i * dk;
     f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dk; ++d) {
@@ -69,11 +101,13 @@ __attribute__((always_inline)) inline u64x8 popcount8(u64x8 x) {
 }
 
 // Assignment: nearest present centroid in Hamming distance, ties to the lowest index; padding gets -1.
-// Eight queries at a time, one centroid at a time: no data-dependent branches.
-BC_MULTIVERSION
-void assign_all(const uint64_t* __restrict hashes, const bool* __restrict valid, int64_t n,
-                const uint64_t* __restrict cent, const char* __restrict present, int64_t clusters, uint64_t mask,
-                int64_t* __restrict assign) {
+// Eight queries at a time, one centroid at a time: no data-dependent branches. `Pop` counts the bits of
+// each lane (shifts and adds, or AVX-512 VPOPCNTQ where the CPU has it).
+template <typename Pop>
+__attribute__((always_inline)) inline void assign_body(const uint64_t* __restrict hashes, const bool* __restrict valid,
+                                                       int64_t n, const uint64_t* __restrict cent,
+                                                       const char* __restrict present, int64_t clusters, uint64_t mask,
+                                                       int64_t* __restrict assign, Pop pop) {
   for (int64_t i0 = 0; i0 < n; i0 += 8) {
     const int64_t len = std::min<int64_t>(8, n - i0);
     u64x8 h = {};
@@ -82,13 +116,63 @@ void assign_all(const uint64_t* __restrict hashes, const bool* __restrict valid,
     i64x8 best = (i64x8)(h * 0) - 1;
     for (int64_t c = 0; c < clusters; ++c) {
       if (!present[c]) continue;  // an empty initial slot never wins
-      const u64x8 d = popcount8((h ^ cent[c]) & mask);
+      const u64x8 d = pop((h ^ cent[c]) & mask);
       const i64x8 closer = (i64x8)(d < best_distance);  // strict: the lowest index wins ties
       best_distance = closer ? d : best_distance;
       best = closer ? (best * 0 + c) : best;
     }
     for (int64_t j = 0; j < len; ++j) assign[i0 + j] = valid[i0 + j] ? best[j] : -1;
   }
+}
+
+struct SwarPopcount {
+  __attribute__((always_inline)) u64x8 operator()(u64x8 x) const { return popcount8(x); }
+};
+
+BC_MULTIVERSION
+void assign_all(const uint64_t* __restrict hashes, const bool* __restrict valid, int64_t n,
+                const uint64_t* __restrict cent, const char* __restrict present, int64_t clusters, uint64_t mask,
+                int64_t* __restrict assign) {
+  assign_body(hashes, valid, n, cent, present, clusters, mask, assign, SwarPopcount{});
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
+#define BC_HAVE_VPOPCNT 1
+#define BC_VPOPCNT_TARGET __attribute__((target("arch=x86-64-v4,avx512vpopcntdq")))
+// assign_all with AVX-512 VPOPCNTQ (the same loop: a target-specific popcount cannot be inlined into the
+// generic template body, so the body is repeated here).
+BC_VPOPCNT_TARGET
+void assign_all_vpopcnt(const uint64_t* __restrict hashes, const bool* __restrict valid, int64_t n,
+                        const uint64_t* __restrict cent, const char* __restrict present, int64_t clusters,
+                        uint64_t mask, int64_t* __restrict assign) {
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t len = std::min<int64_t>(8, n - i0);
+    u64x8 h = {};
+    std::memcpy(&h, hashes + i0, len * sizeof(uint64_t));
+    u64x8 best_distance = h * 0 + 1000;
+    i64x8 best = (i64x8)(h * 0) - 1;
+    for (int64_t c = 0; c < clusters; ++c) {
+      if (!present[c]) continue;
+      const u64x8 d = (u64x8)_mm512_popcnt_epi64((__m512i)((h ^ cent[c]) & mask));
+      const i64x8 closer = (i64x8)(d < best_distance);
+      best_distance = closer ? d : best_distance;
+      best = closer ? (best * 0 + c) : best;
+    }
+    for (int64_t j = 0; j < len; ++j) assign[i0 + j] = valid[i0 + j] ? best[j] : -1;
+  }
+}
+#endif
+
+using AssignFn = void (*)(const uint64_t*, const bool*, int64_t, const uint64_t*, const char*, int64_t, uint64_t,
+                          int64_t*);
+
+// The assignment loop for this CPU (chosen once).
+AssignFn pick_assign() {
+#ifdef BC_HAVE_VPOPCNT
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vpopcntdq")) return assign_all_vpopcnt;
+#endif
+  return assign_all;
 }
 
 // Per-cluster member counts and per-bit counts of ones: 64 uint32 counters per cluster, updated as four
@@ -119,17 +203,24 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   const uint64_t mask = (1ULL << bits) - 1ULL;  // bits <= 63
   const uint64_t* hashes = reinterpret_cast<const uint64_t*>(hashes_in);
 
-  // Initial centroids: the distinct hashes of the valid queries in order of first occurrence
-  // (a stable sort by hash puts each hash's first occurrence first in its group).
-  std::vector<int64_t> order;
-  order.reserve(n);
-  for (int64_t i = 0; i < n; ++i)
-    if (valid[i]) order.push_back(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return hashes_in[a] < hashes_in[b]; });
+  // Initial centroids: the distinct hashes of the valid queries in order of first occurrence, found in
+  // one pass with an open-addressing set of the hashes seen (no sort). Hashes are < 2^63, so ~0 is free.
+  int shift = 64;
+  while ((int64_t{1} << (64 - shift)) < 2 * n) --shift;  // capacity 2^(64 - shift) >= 2n
+  const uint64_t cap_mask = (uint64_t{1} << (64 - shift)) - 1;
+  constexpr uint64_t kFree = ~uint64_t{0};
+  std::vector<uint64_t> seen(cap_mask + 1, kFree);
   std::vector<int64_t> first;
-  for (size_t j = 0; j < order.size(); ++j)
-    if (j == 0 || hashes[order[j]] != hashes[order[j - 1]]) first.push_back(order[j]);
-  std::sort(first.begin(), first.end());
+  for (int64_t i = 0; i < n; ++i) {
+    if (!valid[i]) continue;
+    const uint64_t h = hashes[i];
+    uint64_t slot = shift < 64 ? (h * 0x9E3779B97F4A7C15ULL) >> shift : 0;
+    while (seen[slot] != kFree && seen[slot] != h) slot = (slot + 1) & cap_mask;
+    if (seen[slot] == kFree) {
+      seen[slot] = h;
+      first.push_back(i);
+    }
+  }
   const int64_t distinct = static_cast<int64_t>(first.size());
 
   std::vector<uint64_t> cent(clusters);
@@ -141,6 +232,7 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
     cent[s] = is_present ? hashes[first[pick]] : 0ULL;
   }
 
+  static const AssignFn assign_all = pick_assign();
   std::vector<uint32_t> ones(clusters * 64);
   std::vector<int64_t> members(clusters);
   for (int64_t it = 0; it < iterations; ++it) {
@@ -185,7 +277,7 @@ at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes,
   const float* pt = planes_t.data_ptr<float>();
   const float* op = off.data_ptr<float>();
   int64_t* h = out.data_ptr<int64_t>();
-  parallel_for(0, count, 512, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, grain_for(dk * 64), [&](int64_t begin, int64_t end) {
     hash_rows(qp + begin * dk, pt, op, end - begin, dk, bits, h + begin);
   });
   return out;
@@ -203,7 +295,8 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cpu(const at::Tensor& hashes, 
   const bool* vp = v.data_ptr<bool>();
   int64_t* ap = assignments.data_ptr<int64_t>();
   int64_t* cp = centroids.data_ptr<int64_t>();
-  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  // Cost per head: ~n * clusters Hamming distances per round, each worth ~32 simple steps.
+  parallel_for(0, rows * heads, grain_for(n * clusters * iterations * 32), [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / heads;
       kmeans_one(hp + rh * n, vp + r * n, n, clusters, iterations, bits, ap + rh * n, cp + rh * clusters);

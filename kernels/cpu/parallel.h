@@ -26,6 +26,16 @@ int omp_get_num_threads(void) __attribute__((weak));
 
 namespace bert_cluster {
 
+// The least work (in multiply-adds or comparable simple steps, ~0.1 ms on one core) that a parallel region
+// must carry; below it the loop runs on the calling thread. A region costs microseconds on an idle machine,
+// but a whole scheduler slice (~4-8 ms) when another process holds a core, so tiny steps stay serial.
+constexpr int64_t kMinParallelWork = int64_t{1} << 21;
+
+// The grain (items per chunk) for items of `cost` units each: regions below kMinParallelWork stay serial.
+inline int64_t grain_for(int64_t cost) {
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, cost));
+}
+
 // f(begin_chunk, end_chunk) over [begin, end) in at most at::get_num_threads() contiguous chunks of at least
 // `grain` items (the same split as at::parallel_for's OpenMP backend). Exceptions propagate to the caller.
 template <typename F>

@@ -45,6 +45,80 @@ constexpr int64_t kLanes = 16;  // the width of f32x16 (vec.h)
 
 inline int64_t round_up(int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; }
 
+// Four members of one cluster at once (register blocking: each key / value vector loaded once serves four
+// queries, and the eight accumulators are independent FMA chains). qh: the head's (n, dk) queries, read
+// in place at rows member[0..4); scores: (4, kp);
+// rows: (4, dvp); out rows are written for member[0..4). Same layout rules as refine_members.
+BC_MULTIVERSION
+void refine_four(const float* __restrict qh, const int64_t* __restrict member, const float* __restrict kt,
+                 const float* __restrict vt, int64_t kv, int64_t dk, int64_t dv, const float* __restrict base,
+                 float mass, float scaling, float* __restrict scores, float* __restrict rows, float* __restrict out) {
+  constexpr int M = 4;
+  const int64_t kp = round_up(kv), dvp = round_up(dv);
+  const float* q[M];  // the members' query rows, read in place (qh: the head's queries)
+  for (int m = 0; m < M; ++m) q[m] = qh + member[m] * dk;
+  for (int64_t c = 0; c < kp; c += 2 * kLanes) {
+    const bool pair = c + kLanes < kp;
+    f32x16 a[M] = {}, b[M] = {};
+    for (int64_t d = 0; d < dk; ++d) {
+      const f32x16 k0 = load16(kt + d * kp + c);
+      const f32x16 k1 = pair ? load16(kt + d * kp + c + kLanes) : f32x16{};
+      for (int m = 0; m < M; ++m) {
+        const float x = q[m][d];
+        a[m] += x * k0;
+        b[m] += x * k1;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      store16(scores + m * kp + c, a[m] * scaling);
+      if (pair) store16(scores + m * kp + c + kLanes, b[m] * scaling);
+    }
+  }
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int m = 0; m < M; ++m) {
+    float* sm = scores + m * kp;
+    const float mx = max_of(sm, kv);
+    f32x16 acc = {};
+    for (int64_t c = 0; c < kp; c += kLanes) {
+      f32x16 e = fast_exp16(load16(sm + c) - mx);
+      e = lane + static_cast<float>(c) < static_cast<float>(kv) ? e : f32x16{};  // padding lanes: 0
+      acc += e;
+      store16(sm + c, e);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < kLanes; ++j) sum += acc[j];
+    const float coef = mass / sum;
+    for (int64_t c = 0; c < kp; c += kLanes) store16(sm + c, load16(sm + c) * coef);
+  }
+  for (int64_t c = 0; c < dvp; c += 2 * kLanes) {
+    const bool pair = c + kLanes < dvp;
+    const f32x16 b0 = load16(base + c);
+    const f32x16 b1 = pair ? load16(base + c + kLanes) : f32x16{};
+    f32x16 a[M], b[M];
+    for (int m = 0; m < M; ++m) {
+      a[m] = b0;
+      b[m] = b1;
+    }
+    for (int64_t l = 0; l < kv; ++l) {
+      const f32x16 v0 = load16(vt + l * dvp + c);
+      const f32x16 v1 = pair ? load16(vt + l * dvp + c + kLanes) : f32x16{};
+      for (int m = 0; m < M; ++m) {
+        const float w = scores[m * kp + l];
+        a[m] += w * v0;
+        b[m] += w * v1;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      // Straight into the output row when it holds whole vectors, else through `rows`.
+      float* dst = dvp == dv ? out + member[m] * dv : rows + m * dvp;
+      store16(dst + c, a[m]);
+      if (pair) store16(dst + c + kLanes, b[m]);
+    }
+  }
+  if (dvp != dv)
+    for (int m = 0; m < M; ++m) std::copy(rows + m * dvp, rows + m * dvp + dv, out + member[m] * dv);
+}
+
 // The members of one cluster: refine each query's output with the cluster's top-k keys.
 // q: (members, dk) gathered queries; kt: (dk, kp) the cluster's valid top-k keys, transposed and
 // zero-padded to kp = round_up(kv) columns; vt: (kv, dvp) their values zero-padded to dvp = round_up(dv);
@@ -150,6 +224,43 @@ float topk_part(const float* __restrict w, const float* __restrict v, const int6
   return m;
 }
 
+// out[0..dv) = sum_l w[l] v[l] over the n keys of a head (one centroid's Vc row; padded keys have w = 0).
+// Accumulates in place in `out` (dv floats, in L1), two keys per step.
+BC_MULTIVERSION
+void weighted_sum(const float* __restrict w, const float* __restrict v, int64_t n, int64_t dv,
+                  float* __restrict out) {
+  std::fill(out, out + dv, 0.f);
+  int64_t l = 0;
+  for (; l + 1 < n; l += 2) {
+    const float w0 = w[l], w1 = w[l + 1];
+    const float* v0 = v + l * dv;
+    const float* v1 = v0 + dv;
+    for (int64_t d = 0; d < dv; ++d) out[d] += w0 * v0[d] + w1 * v1[d];
+  }
+  if (l < n) axpy(out, v + l * dv, w[l], dv);
+}
+
+// weighted_sum for four rows of weights (w, w + n, w + 2n, w + 3n) over the same values, dv a multiple of
+// 16: each value vector is loaded once for four rows (out: four rows of dv).
+BC_MULTIVERSION
+void weighted_sum4(const float* __restrict w, const float* __restrict v, int64_t n, int64_t dv,
+                   float* __restrict out) {
+  for (int64_t c = 0; c < dv; c += kLanes) {
+    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t l = 0; l < n; ++l) {
+      const f32x16 x = load16(v + l * dv + c);
+      a0 += w[l] * x;
+      a1 += w[n + l] * x;
+      a2 += w[2 * n + l] * x;
+      a3 += w[3 * n + l] * x;
+    }
+    store16(out + c, a0);
+    store16(out + dv + c, a1);
+    store16(out + 2 * dv + c, a2);
+    store16(out + 3 * dv + c, a3);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, const at::Tensor& assignments,
@@ -167,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, 
   const int64_t* ap = a.data_ptr<int64_t>();
   float* sp = sums.data_ptr<float>();
   float* cp = counts.data_ptr<float>();
-  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * heads, grain_for(n * dk), [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) {
       float* s = sp + rh * clusters * dk;
       float* c = cp + rh * clusters;
@@ -208,7 +319,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
   int64_t* ip = indices.data_ptr<int64_t>();
   float* mp = mass.data_ptr<float>();
   float* tp = top_values.data_ptr<float>();
-  parallel_for(0, rows * heads * clusters, 4, [&](int64_t begin, int64_t end) {
+  // Vc = weights @ values inside the same region (no second GEMM and its parallel region).
+  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, weights.options());
+  float* cvp = centroid_values.data_ptr<float>();
+  // Per centroid row: scale, mask, exp, normalise, select and Vc over n keys, ~(128 + dv) steps per key.
+  parallel_for(0, rows * heads * clusters, grain_for(n * (128 + dv)), [&](int64_t begin, int64_t end) {
     std::vector<float> scaled(k > 0 ? n : 0);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t r = row / (heads * clusters);
@@ -225,8 +340,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
       const float m = topk_part(w, vp + rh * n * dv, idx, take, dv, tp + row * dv);
       mp[row] = m;
     }
+    // Vc rows, four centroids of one head at a time where possible.
+    for (int64_t row = begin; row < end;) {
+      const int64_t rh = row / clusters;
+      const int64_t run = std::min(end, (rh + 1) * clusters) - row;
+      const float* vh = vp + rh * n * dv;
+      if (run >= 4 && dv % kLanes == 0) {
+        weighted_sum4(wp + row * n, vh, n, dv, cvp + row * dv);
+        row += 4;
+      } else {
+        weighted_sum(wp + row * n, vh, n, dv, cvp + row * dv);
+        row += 1;
+      }
+    }
   });
-  at::Tensor centroid_values = at::matmul(weights, v);
   return {centroid_values, indices, mass, top_values};
 }
 
@@ -245,31 +372,9 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   const at::Tensor q = as_float(queries), kf = as_float(keys), vf = as_float(values);
   const at::Tensor a = assignments.contiguous(), cv = centroid_values.contiguous();
   const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
-  at::Tensor out = at::zeros({rows, heads, n, dv}, q.options());
+  at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
 
-  // Counting sort of each (row, head)'s queries by cluster: members of cluster c are
-  // order[start[c] .. start[c + 1]).
-  std::vector<int64_t> start(rows * heads * (clusters + 1));
-  std::vector<int64_t> order(rows * heads * n);
   const int64_t* ap = a.data_ptr<int64_t>();
-  parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rh = begin; rh < end; ++rh) {
-      int64_t* st = start.data() + rh * (clusters + 1);
-      std::fill(st, st + clusters + 1, 0);
-      const int64_t* ar = ap + rh * n;
-      for (int64_t i = 0; i < n; ++i) {
-        TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
-                          ", got ", ar[i]);
-        if (ar[i] >= 0) st[ar[i] + 1] += 1;
-      }
-      for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
-      std::vector<int64_t> fill(st, st + clusters);
-      int64_t* o = order.data() + rh * n;
-      for (int64_t i = 0; i < n; ++i)
-        if (ar[i] >= 0) o[fill[ar[i]]++] = i;
-    }
-  });
-
   const float* qp = q.data_ptr<float>();
   const float* kp_ = kf.data_ptr<float>();
   const float* vp = vf.data_ptr<float>();
@@ -280,38 +385,65 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   const int64_t kp = round_up(k), dvp = round_up(dv);
-  parallel_for(0, rows * heads * clusters, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, kt(dk * kp), vt(k * dvp), scores(kp), base(dvp), row(dvp);
-    std::vector<int64_t> slot(k);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t rh = task / clusters, c = task % clusters;
-      const int64_t* st = start.data() + rh * (clusters + 1);
-      const int64_t members = st[c + 1] - st[c];
-      if (members == 0) continue;
-      const int64_t* member = order.data() + rh * n + st[c];
-      // The cluster's valid top-k keys (transposed) and values, gathered once for all its members.
-      int64_t kv = 0;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t l = tip[task * k + j];
-        if (l < 0) continue;
-        TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
-        slot[kv++] = l;
+  // One parallel region over (row, head): each task sorts its queries by cluster, then refines cluster by
+  // cluster (one region instead of two: every region is a barrier that waits for the slowest thread).
+  parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, kt(dk * kp), vt(k * dvp), scores(4 * kp), base(dvp), row(4 * dvp);
+    std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
+      int64_t* st = start.data();
+      std::fill(st, st + clusters + 1, 0);
+      const int64_t* ar = ap + rh * n;
+      for (int64_t i = 0; i < n; ++i) {
+        TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
+                          ", got ", ar[i]);
+        if (ar[i] >= 0) {
+          st[ar[i] + 1] += 1;
+        } else {
+          std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
+        }
       }
-      const int64_t kvp = round_up(kv);
-      std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
-      std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
-      for (int64_t j = 0; j < kv; ++j) {
-        const float* key = kp_ + (rh * n + slot[j]) * dk;
-        for (int64_t d = 0; d < dk; ++d) kt[d * kvp + j] = key[d];
-        std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
+      for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
+      std::copy(st, st + clusters, fill.begin());
+      for (int64_t i = 0; i < n; ++i)
+        if (ar[i] >= 0) order[fill[ar[i]]++] = i;
+      for (int64_t c = 0; c < clusters; ++c) {
+        const int64_t task = rh * clusters + c;
+        const int64_t members = st[c + 1] - st[c];
+        if (members == 0) continue;
+        const int64_t* member = order.data() + st[c];
+        // The cluster's valid top-k keys (transposed) and values, gathered once for all its members.
+        int64_t kv = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t l = tip[task * k + j];
+          if (l < 0) continue;
+          TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
+          slot[kv++] = l;
+        }
+        const int64_t kvp = round_up(kv);
+        std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
+        std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
+        for (int64_t j = 0; j < kv; ++j) {
+          const float* key = kp_ + (rh * n + slot[j]) * dk;
+          for (int64_t d = 0; d < dk; ++d) kt[d * kvp + j] = key[d];
+          std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
+        }
+        std::fill(base.begin(), base.end(), 0.f);
+        for (int64_t d = 0; d < dv; ++d) base[d] = cvp[task * dv + d] - tvp[task * dv + d];
+        int64_t m = 0;
+        if (kv > 0) {
+          for (; m + 4 <= members; m += 4)
+            refine_four(qp + rh * n * dk, member + m, kt.data(), vt.data(), kv, dk, dv, base.data(), tmp[task],
+                        scale, scores.data(), row.data(), op + rh * n * dv);
+        }
+        // The remaining members (fewer than four), gathered.
+        qbuf.resize((members - m) * dk);
+        for (int64_t j = m; j < members; ++j)
+          std::copy(qp + (rh * n + member[j]) * dk, qp + (rh * n + member[j] + 1) * dk, qbuf.begin() + (j - m) * dk);
+        refine_members(qbuf.data(), member + m, members - m, kt.data(), vt.data(), kv, dk, dv, base.data(),
+                       tmp[task], scale, scores.data(), row.data(), op + rh * n * dv);
       }
-      std::fill(base.begin(), base.end(), 0.f);
-      for (int64_t d = 0; d < dv; ++d) base[d] = cvp[task * dv + d] - tvp[task * dv + d];
-      qbuf.resize(members * dk);
-      for (int64_t m = 0; m < members; ++m)
-        std::copy(qp + (rh * n + member[m]) * dk, qp + (rh * n + member[m] + 1) * dk, qbuf.begin() + m * dk);
-      refine_members(qbuf.data(), member, members, kt.data(), vt.data(), kv, dk, dv, base.data(), tmp[task], scale,
-                     scores.data(), row.data(), op + rh * n * dv);
     }
   });
   return out;

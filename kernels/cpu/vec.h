@@ -72,6 +72,32 @@ BC_INLINE f32x16 load16(const float* p) {
 
 BC_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+typedef int32_t i32x16 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+// fast_exp on 16 lanes at once (the same steps; floor by truncation and a correction).
+BC_INLINE f32x16 fast_exp16(f32x16 x) {
+  const f32x16 zero = {};
+  const f32x16 lo = zero - 87.0f, hi = zero + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 t = x * 1.44269504088896341f + 0.5f;
+  i32x16 i = __builtin_convertvector(t, i32x16);
+  i += (__builtin_convertvector(i, f32x16) > t);  // truncation rounds up below 0: subtract 1 (mask is -1)
+  const f32x16 n = __builtin_convertvector(i, f32x16);
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f32x16 y = p * r * r + r + 1.0f;
+  const i32x16 e = (i + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
 // Max of x[0..n) (n >= 1), in 16 lanes then across them (a plain float max loop does not vectorise).
 BC_INLINE float max_of(const float* __restrict x, int64_t n) {
   float m = x[0];
@@ -90,7 +116,9 @@ BC_INLINE float max_of(const float* __restrict x, int64_t n) {
 
 // x[i] = e^(x[i] - shift), then the sum of the results (exp and sum in separate loops, both vectorised).
 BC_INLINE float exp_shift_sum(float* __restrict x, int64_t n, float shift) {
-  for (int64_t i = 0; i < n; ++i) x[i] = fast_exp(x[i] - shift);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) store16(x + k, fast_exp16(load16(x + k) - shift));
+  for (; k < n; ++k) x[k] = fast_exp(x[k] - shift);
   f32x16 acc = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) acc += load16(x + i);
