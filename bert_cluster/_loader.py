@@ -70,8 +70,8 @@ def load() -> dict[str, Any]:
             state["reason"] = (
                 f"built for another torch ({built_for}, running {torch.__version__}); rebuild: {_BUILD_HINT}"
             )
-        elif not all(_has_kernel(op, "CPU") for op in ops.OPS):
-            missing = [op for op in ops.OPS if not _has_kernel(op, "CPU")]
+        elif not all(_has_kernel(op, "CPU") for op in ops.KERNEL_OPS):
+            missing = [op for op in ops.KERNEL_OPS if not _has_kernel(op, "CPU")]
             state["reason"] = f"import error: _C registered no CPU kernel for {', '.join(missing)}"
         else:
             state["loaded"] = True
@@ -108,7 +108,7 @@ def cuda_available() -> tuple[bool, str]:
         return False, "bert_cluster._C was built without CUDA (rebuild with BERT_CLUSTER_BUILD_CUDA=1)"
     from bert_cluster import ops
 
-    missing = [op for op in ops.OPS if not _has_kernel(op, "CUDA")]
+    missing = [op for op in ops.KERNEL_OPS if not _has_kernel(op, "CUDA")]
     if missing:
         return False, f"_C registered no CUDA kernel for {', '.join(missing)}"
     if not torch.cuda.is_available():

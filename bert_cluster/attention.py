@@ -101,6 +101,32 @@ def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
     return out.to(query.dtype)
 
 
+def windowed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    window: int,
+    config: ClusteredAttentionConfig | None = None,
+    *,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Exact attention inside a band of ``window`` positions on each side (sliding-window layers).
+
+    Same layout and padding rules as ``clustered_attention``; O(N * window) on every backend
+    (``reference.banded_attention`` and the ``banded_attention`` op), where SDPA under a band mask costs N^2.
+    """
+    from bert_cluster import dispatch
+
+    config = config or ClusteredAttentionConfig()
+    rows, _, length, head_dim = query.shape
+    if valid is None:
+        valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
+    scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    backend = dispatch.select_backend(config.backend, query, key, value)
+    return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
+
+
 _CONFIG_FIELDS = ("clusters", "topk", "bits", "iterations", "mode", "min_length", "seed", "backend")
 
 

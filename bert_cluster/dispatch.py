@@ -24,6 +24,7 @@ STEPS = (
     "topk_refine",
     "broadcast_clusters",
     "exact_attention",
+    "banded_attention",
 )
 
 
@@ -75,6 +76,7 @@ class ReferenceBackend(Backend):
     topk_refine = staticmethod(reference.topk_refine)
     broadcast_clusters = staticmethod(reference.broadcast_clusters)
     exact_attention = staticmethod(reference.exact_attention)
+    banded_attention = staticmethod(reference.banded_attention)
 
 
 def _kernel_step(step: str) -> Callable:
@@ -109,6 +111,8 @@ class _KernelBackend(Backend):
     topk_refine = _kernel_step("topk_refine")
     broadcast_clusters = _kernel_step("broadcast_clusters")
     exact_attention = _kernel_step("exact_attention")
+    # Until kernels/cpu and kernels/cuda implement the op, the kernel backends run the reference's band.
+    banded_attention = staticmethod(reference.banded_attention)
 
 
 class CpuKernelBackend(_KernelBackend):

@@ -32,6 +32,9 @@ SCHEMAS: dict[str, str] = {
     ),
     "broadcast_clusters": "(Tensor centroid_values, Tensor assignments) -> Tensor",
     "exact_attention": "(Tensor queries, Tensor keys, Tensor values, Tensor valid, float scaling) -> Tensor",
+    "banded_attention": (
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor"
+    ),
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -92,6 +95,11 @@ def _broadcast_clusters_fake(centroid_values, assignments):
 
 @torch.library.register_fake(f"{NAMESPACE}::exact_attention")
 def _exact_attention_fake(queries, keys, values, valid, scaling):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::banded_attention")
+def _banded_attention_fake(queries, keys, values, valid, window, scaling):
     return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
 
 
@@ -185,4 +193,22 @@ def exact_attention(
     return _ops.exact_attention.default(queries, keys, values, valid, float(scaling))
 
 
+def banded_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> torch.Tensor:
+    """See ``reference.banded_attention``: float32 ``(R, H, N, Dv)``, keys within ``window`` positions."""
+    _ensure_loaded()
+    return _ops.banded_attention.default(queries, keys, values, valid, window, float(scaling))
+
+
 OPS = tuple(SCHEMAS)
+#: The ops whose compiled implementation is still to come: the kernel backends run the reference for them
+#: and ``_loader`` does not require them from ``_C``. Empty once kernels/ implements every op.
+PENDING_KERNELS = frozenset({"banded_attention"})
+#: The ops ``_C`` must register for the kernels to count as loaded.
+KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)

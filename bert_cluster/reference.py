@@ -219,3 +219,46 @@ def exact_attention(
     scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
     return torch.matmul(weights, values.float()) * valid[:, None, :, None]
+
+
+def banded_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Exact softmax attention inside a band: query i sees key j iff ``|i - j| <= window`` and j is valid.
+
+    The sliding-window layers of long-context encoders (ModernBERT's local layers: ``window`` = half the
+    local window, e.g. 64). Positions are tensor indices, as in the band mask transformers builds. Computed
+    in blocks of ``window`` queries against their ``3 * window`` neighbouring keys, so time and memory are
+    O(N * window), never O(N^2). Returns float32 ``(R, H, N, Dv)``; padded queries, and queries with no
+    valid key in their band, get zeros.
+    """
+    rows, heads, n, dk = queries.shape
+    dv = values.shape[-1]
+    block = max(1, min(window, n))
+    blocks = -(-n // block)
+    span = block + 2 * window  # the keys a block of queries can see
+    tail = blocks * block - n
+
+    def padded(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+        # window positions before, window + tail after: key block b starts at padded index b * block.
+        return torch.nn.functional.pad(tensor, (0, 0, window, window + tail), value=fill)
+
+    q = torch.nn.functional.pad(queries.float(), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
+    k = padded(keys.float(), 0.0).unfold(2, span, block)  # (R, H, blocks, Dk, span)
+    v = padded(values.float(), 0.0).unfold(2, span, block)  # (R, H, blocks, Dv, span)
+    scores = torch.matmul(q, k) * scaling  # (R, H, blocks, block, span)
+    query_pos = torch.arange(blocks * block, device=queries.device).reshape(blocks, block, 1)
+    key_pos = (torch.arange(blocks, device=queries.device) * block)[:, None, None] - window
+    key_pos = key_pos + torch.arange(span, device=queries.device)
+    in_band = (query_pos - key_pos).abs() <= window  # (blocks, block, span); out-of-range keys fail below
+    key_valid = torch.nn.functional.pad(valid, (window, window + tail), value=False).unfold(1, span, block)
+    visible = in_band & key_valid[:, None, :, None, :]  # (R, 1, blocks, block, span)
+    scores = scores.masked_fill(~visible, -math.inf)
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    out = torch.matmul(weights, v.transpose(-1, -2)).reshape(rows, heads, blocks * block, dv)[:, :, :n]
+    return out * valid[:, None, :, None]
