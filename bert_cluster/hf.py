@@ -48,6 +48,15 @@ TESTED_FAMILIES = (
     "eurobert",
     "ultrabert",
     "neomme",
+    "xlm-roberta-xl",
+    "roberta-prelayernorm",
+    "xmod",
+    "roc_bert",
+    "ernie",
+    "esm",
+    "mobilebert",
+    "data2vec-text",
+    "bert-generation",
 )
 
 logger = logging.getLogger(__name__)
@@ -106,7 +115,10 @@ def _settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
             "use bert_cluster.convert(model)"
         )
     content = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in stored.items()))
-    parsed = _PARSED.get(content)  # keyed by value, never by identity
+    try:
+        parsed = _PARSED.get(content)  # keyed by value, never by identity
+    except TypeError:  # an unhashable value: parsing says what is wrong with it
+        return _parse_settings(stored)
     if parsed is None:
         parsed = _parse_settings(stored)
         if len(_PARSED) >= 256:

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from families import HALF_WINDOW, HYBRID, REFUSED, SUPPORTED, tiny_config, tiny_model
+from families import ALSO_ROUTED, HALF_WINDOW, HYBRID, REFUSED, SUPPORTED, tiny_config, tiny_model
 
 import bert_cluster
 
@@ -62,6 +62,19 @@ def test_every_family_is_exact_when_topk_covers_every_key(family):
     approx = run(model, ids, mask).last_hidden_state
     assert torch.isfinite(approx).all()
     assert max_difference(approx, reference, mask) > 0.05  # measured: 0.27 (NeoMME) to 4.2 (EuroBERT)
+
+
+@pytest.mark.parametrize("family", ALSO_ROUTED)
+def test_further_families_on_the_interface_convert_exactly_and_revert(family):
+    model = tiny_model(family)
+    ids, mask, _ = padded_batch(model)
+    reference = run(model, ids, mask).last_hidden_state
+    bert_cluster.convert(model, clusters=4, topk=64)
+    assert max_difference(run(model, ids, mask).last_hidden_state, reference, mask) < 2e-5  # measured 2e-6
+    bert_cluster.convert(model, clusters=3, topk=3)
+    assert max_difference(run(model, ids, mask).last_hidden_state, reference, mask) > 0.05  # measured 0.34+
+    bert_cluster.revert(model)
+    assert torch.equal(run(model, ids, mask).last_hidden_state, reference)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
