@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bert_cluster.config import ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError, positive_int
+from bert_cluster.evaluation.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
@@ -71,7 +71,7 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the default run must be a mapping")
     allowed = _DEFAULT_KEYS | (_ATTENTION_FIELDS - {"mode", "clusters", "seed"}) | {"description"}
@@ -242,7 +242,6 @@ def convert_checkpoint(
     import transformers
 
     import bert_cluster
-    from bert_cluster.evaluation.errors import one_line
     from bert_cluster.evaluation.modeling import check_model_path, quiet
     from bert_cluster.evaluation.report import check_output
 

@@ -227,10 +227,9 @@ def load_rows(task: TaskConfig, folders: Sequence[str | Path] | str | Path | Non
         try:
             rows = load_hub(task)
         except Exception as error:  # noqa: BLE001 - any failure means: not reachable here
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(
                 f"no data for task {task.name}: {where}, and the hub dataset {task.data.hub.path} could not "
-                f"be loaded ({first}); pass --data-dir with the task's files"
+                f"be loaded ({one_line(error)}); pass --data-dir with the task's files"
             ) from None
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")

@@ -8,9 +8,9 @@ class UserError(ValueError):
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line (its type name when it has none): what the CLI and reports show."""
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
+    """The first line of the message (the type name when it has none): what the CLI and reports show."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def positive_int(name: str, value: object) -> int:

@@ -81,11 +81,6 @@ class Workers:
 
         return list(gather_object(list(values)))
 
-    def barrier(self) -> None:
-        """Wait for every process."""
-        if self.state is not None:
-            self.state.wait_for_everyone()
-
     def map(
         self,
         function: Callable[[list[Any]], Sequence[Any]],

@@ -1,4 +1,4 @@
-"""Typed results of an evaluation run, and what is written from them: results.json, results.md, two plots.
+"""Typed results of an evaluation run, and what is written from them: results.json, results.md, a plot.
 
 ``Results.to_dict()`` is the results.json schema (``schema_version`` bumps when it changes): the run's
 settings, the environment (package versions, hardware, git hash, date), and per task its version,
@@ -31,7 +31,7 @@ from bert_cluster.evaluation.errors import UserError, one_line
 
 SCHEMA_VERSION = 2
 #: The files a run writes (and the only ones ``--overwrite`` may remove).
-FILES = ("results.json", "results.md", "scores.png", "tradeoff.png")
+FILES = ("results.json", "results.md", "scores.png")
 _PACKAGES = (
     "bert-cluster",
     "torch",
@@ -385,110 +385,63 @@ def markdown(results: Results) -> str:
     return "\n".join(lines)
 
 
-def _figure(columns: int) -> tuple[Any, Any]:
+def plot(results: Results, path: Path) -> Path | None:
+    """scores.png, one column per task: score against C (top) and score change against speedup (bottom).
+
+    The bottom panel is the trade-off a user chooses from: each point is a mode and a cluster count.
+    Dotted lines: the unmodified model. None when no patched configuration was scored.
+    """
+    tasks = [task for task in results.tasks if task.keys and task.unmodified is not None]
+    if not tasks:
+        return None
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, columns, figsize=(max(7, 4.5 * columns), 4.5), squeeze=False)
-    return figure, axes[0]
-
-
-def plot_scores(results: Results, path: Path) -> Path | None:
-    """Score against cluster count, one line per task, metric and mode (dotted: unmodified)."""
-    series = [(task, name, display) for task in results.tasks if task.keys for name, display in task.metrics]
-    if not series:
-        return None
-    import matplotlib.pyplot as plt
-
-    figure, (axes,) = _figure(1)
+    figure, panels = plt.subplots(2, len(tasks), figsize=(max(7, 4.5 * len(tasks)), 8), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", "-.", ":"]
-    modes = sorted({key[0] for task, _, _ in series for key in task.keys})
-    for number, (task, name, display) in enumerate(series):
-        color = colors[number % len(colors)]
-        for mode in modes:
-            keys = [
-                key for key in task.keys if key[0] == mode and task.summary(name, key)["mean"] is not None
-            ]
-            summaries = [task.summary(name, key) for key in keys]
-            axes.errorbar(
-                [key[1] for key in keys],
-                [s["mean"] for s in summaries],
-                yerr=[s["std"] or 0.0 for s in summaries],
-                marker="o",
-                capsize=3,
-                color=color,
-                linestyle=styles[modes.index(mode) % len(styles)],
-                label=f"{task.task} {display}" + (f" ({mode})" if len(modes) > 1 else ""),
-            )
-        base = task.unmodified.scores.get(name) if task.unmodified else None
-        if base is not None and not math.isnan(base):
-            axes.axhline(base, color=color, linestyle=":", linewidth=1)
-    counts = sorted({key[1] for task, _, _ in series for key in task.keys})
-    axes.set_xscale("log")
-    axes.set_xticks(counts, [str(c) for c in counts])
-    axes.set_xlabel("clusters C")
-    axes.set_ylabel("score (points)")
-    axes.set_title(f"{', '.join(modes)} attention vs cluster count (dotted: unmodified)")
-    axes.legend(fontsize="small", loc="best")
-    axes.grid(alpha=0.3)
-    return _save(figure, path)
-
-
-def plot_tradeoff(results: Results, path: Path) -> Path | None:
-    """Score change against speedup, one panel per task: each point a mode and C (the choice a user makes)."""
-    tasks = [task for task in results.tasks if task.keys and task.unmodified is not None]
-    if not tasks:
-        return None
-    import matplotlib.pyplot as plt
-
-    figure, panels = _figure(len(tasks))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    markers = "osD^vP*X"
     modes = sorted({key[0] for task in tasks for key in task.keys})
-    for axes, task in zip(panels, tasks, strict=True):
+    for (top, bottom), task in zip(panels.T, tasks, strict=True):
         for number, (name, display) in enumerate(task.metrics):
+            color = colors[number % len(colors)]
             for mode in modes:
-                points = [
-                    (task.speed(key)["speedup"], task.summary(name, key)["delta"], key[1])
-                    for key in task.keys
-                    if key[0] == mode
+                keys = [
+                    key for key in task.keys if key[0] == mode and task.summary(name, key)["mean"] is not None
                 ]
-                points = [point for point in points if point[0] is not None and point[1] is not None]
-                if not points:
+                if not keys:
                     continue
-                axes.plot(
-                    [p[0] for p in points],
-                    [p[1] for p in points],
-                    marker=markers[modes.index(mode) % len(markers)],
-                    color=colors[number % len(colors)],
-                    label=f"{display}" + (f" ({mode})" if len(modes) > 1 else ""),
-                )
-                for speedup, delta, clusters in points:
-                    axes.annotate(
-                        f"C={clusters}",
-                        (speedup, delta),
-                        fontsize="x-small",
-                        xytext=(3, 3),
-                        textcoords="offset points",
-                    )
-        axes.axhline(0.0, color="grey", linewidth=1)
-        axes.axvline(1.0, color="grey", linewidth=1, linestyle=":")
-        low, high = axes.get_ylim()  # at least +-0.5 points: a change of 1e-6 must not look like a cliff
-        axes.set_ylim(min(low, -0.5), max(high, 0.5))
-        axes.set_xlabel("speedup over unmodified (×)")
-        axes.set_ylabel("score change (points)")
-        axes.set_title(task.task)
-        axes.legend(fontsize="small", loc="best")
-        axes.grid(alpha=0.3)
-    return _save(figure, path)
-
-
-def _save(figure: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
+                label = display + (f" ({mode})" if len(modes) > 1 else "")
+                style = {"marker": "osD^vP*X"[modes.index(mode) % 8], "color": color, "label": label}
+                summaries = [task.summary(name, key) for key in keys]
+                top.errorbar([key[1] for key in keys], [s["mean"] for s in summaries], capsize=3, **style,
+                             yerr=[s["std"] or 0.0 for s in summaries])  # fmt: skip
+                speedups = [task.speed(key)["speedup"] for key in keys]
+                points = [
+                    (x, s["delta"], key[1]) for x, s, key in zip(speedups, summaries, keys, strict=True)
+                ]
+                points = [point for point in points if point[0] is not None]
+                bottom.plot([p[0] for p in points], [p[1] for p in points], **style)
+                for x, delta, clusters in points:
+                    bottom.annotate(f"C={clusters}", (x, delta), xytext=(3, 3), textcoords="offset points",
+                                    fontsize="x-small")  # fmt: skip
+            base = task.unmodified.scores.get(name)
+            if base is not None and not math.isnan(base):
+                top.axhline(base, color=color, linestyle=":", linewidth=1)
+        counts = sorted({key[1] for key in task.keys})
+        top.set_xscale("log")
+        top.minorticks_off()
+        top.set_xticks(counts, [str(c) for c in counts])
+        top.set(title=task.task, xlabel="clusters C", ylabel="score (points)")
+        bottom.axhline(0.0, color="grey", linewidth=1)
+        bottom.axvline(1.0, color="grey", linewidth=1, linestyle=":")
+        low, high = bottom.get_ylim()  # at least +-0.5 points: a change of 1e-6 must not look like a cliff
+        bottom.set(ylim=(min(low, -0.5), max(high, 0.5)), xlabel="speedup over unmodified (x)")
+        bottom.set_ylabel("score change (points)")
+        for axes in (top, bottom):
+            axes.legend(fontsize="small", loc="best")
+            axes.grid(alpha=0.3)
+    figure.suptitle(f"{', '.join(modes)} attention against the unmodified model (dotted)")
     figure.tight_layout()
     _atomic(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)
@@ -553,9 +506,8 @@ def write(results: Results, folder: str | Path) -> dict[str, Path]:
     except OSError as error:
         raise UserError(f"cannot create output folder {folder}: {error.strerror or error}") from None
     written: dict[str, Path] = {}
-    for name, draw in (("scores.png", plot_scores), ("tradeoff.png", plot_tradeoff)):
-        if draw(results, folder / name) is not None:
-            written[name] = folder / name
+    if plot(results, folder / "scores.png") is not None:
+        written["scores.png"] = folder / "scores.png"
     written["results.md"] = folder / "results.md"
     _atomic(
         written["results.md"],

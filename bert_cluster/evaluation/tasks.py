@@ -11,6 +11,7 @@ mappings merge recursively, everything else is replaced.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.errors import UserError, one_line
 
 #: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
 #: lines or a JSON list, the official SQuAD JSON, and the packaged retrieval JSON (paragraphs + questions).
@@ -145,24 +146,9 @@ class TaskConfig:
         """The metric keys ``score`` returns."""
         return tuple(metric.name for metric in self.metrics)
 
-    def display(self, metric: str) -> str:
-        """The display name of ``metric`` (itself when unknown)."""
-        for spec in self.metrics:
-            if spec.name == metric:
-                return spec.display
-        return metric
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (as recorded in results.json)."""
-        return _jsonable(dataclasses.asdict(self))
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    return value
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as read back
 
 
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,7 +171,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     except OSError as error:
         raise UserError(f"cannot read task file {path}: {error.strerror or error}") from None
     except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
     if not isinstance(raw, Mapping):
         raise UserError(f"{path}: a task file must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)

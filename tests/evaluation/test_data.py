@@ -74,7 +74,12 @@ def test_csv_with_quoting_and_jsonl(tmp_path, calls):
     (tmp_path / "x.jsonl").write_text('{"text": "one", "label": 1}\n{"text": "two", "label": "no"}\n')
     examples = CLASSIFICATION.load_examples(jsonl_task, [tmp_path], 1)
     assert examples.items == [{"texts": ("one",), "label": 1}] and examples.count == 1
-    assert [args[0] for args, _ in calls] == ["csv", "json"]
+    json_task = parse_task({**spec, "data": {"files": [{"path": "x.json", "format": "json"}]}})
+    (tmp_path / "x.json").write_text('[{"text": "three", "label": "yes"}]')
+    assert CLASSIFICATION.load_examples(json_task, [tmp_path], None).items == [
+        {"texts": ("three",), "label": 1}
+    ]
+    assert [args[0] for args, _ in calls] == ["csv", "json", "json"]
 
 
 def test_parquet_layout_one_folder_down_with_shard_names(tmp_path, calls):

@@ -118,5 +118,4 @@ def test_two_processes_score_exactly_like_one(bench, tmp_path):
         "results.json",
         "results.md",
         "scores.png",
-        "tradeoff.png",
     ]

@@ -97,8 +97,7 @@ def test_runner_converts_and_reverts_around_every_configuration(spy, tmp_path):
     assert "| good | M | 0.00 | 10.50 ± 0.71 (+10.50) | 25.50 ± 0.71 (+25.50) |" in markdown
     assert "min_length = 0: every row longer than C tokens is approximated" in markdown
     assert (tmp_path / "out" / "scores.png").stat().st_size > 1000
-    assert (tmp_path / "out" / "tradeoff.png").stat().st_size > 1000
-    assert document.pop("files") == ["results.json", "results.md", "scores.png", "tradeoff.png"]
+    assert document.pop("files") == ["results.json", "results.md", "scores.png"]
     assert Results.from_dict(document).to_dict() == document
 
 
@@ -198,8 +197,8 @@ def test_earlier_results_are_never_destroyed(spy, tmp_path):
         evaluate(model, "good", 25, output=out)
     assert kind.seen == []
     evaluate(model, "good", 25, output=out, overwrite=True)
-    assert (out / "notes.txt").read_text() == "mine" and (out / "tradeoff.png").is_file()
-    # A later run that draws no plot (no cluster count scored) removes the plots it wrote before, only them.
+    assert (out / "notes.txt").read_text() == "mine" and (out / "scores.png").is_file()
+    # A later run that draws no plot (no cluster count scored) removes the plot it wrote before, only that.
     first = json.loads((out / "results.json").read_text())["files"]
     assert "scores.png" in first
     from bert_cluster.evaluation import report
@@ -208,7 +207,7 @@ def test_earlier_results_are_never_destroyed(spy, tmp_path):
     for task in results.tasks:
         task.runs = task.runs[:1]
     report.write(results, out)
-    assert not (out / "scores.png").exists() and not (out / "tradeoff.png").exists()
+    assert not (out / "scores.png").exists()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "results.json", "results.md"]
 
 

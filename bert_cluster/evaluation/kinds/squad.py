@@ -12,6 +12,7 @@ postprocessor (``options.postprocessor``) from ``POSTPROCESSORS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,52 +139,11 @@ def decode_answers(
     return answers
 
 
-def squad_v1(
-    contexts: Sequence[str],
-    windows: Sequence[Window],
-    start_logits: Sequence[np.ndarray],
-    end_logits: Sequence[np.ndarray],
-    *,
-    n_best: int = 20,
-    max_answer_length: int = 30,
-) -> list[str]:
-    """SQuAD v1.1 decoding: always the best span."""
-    return decode_answers(
-        contexts,
-        windows,
-        start_logits,
-        end_logits,
-        n_best=n_best,
-        max_answer_length=max_answer_length,
-        version_2=False,
-    )
-
-
-def squad_v2(
-    contexts: Sequence[str],
-    windows: Sequence[Window],
-    start_logits: Sequence[np.ndarray],
-    end_logits: Sequence[np.ndarray],
-    *,
-    n_best: int = 20,
-    max_answer_length: int = 30,
-) -> list[str]:
-    """SQuAD v2.0 decoding: the best span, or no answer when the null score beats it."""
-    return decode_answers(
-        contexts,
-        windows,
-        start_logits,
-        end_logits,
-        n_best=n_best,
-        max_answer_length=max_answer_length,
-        version_2=True,
-    )
-
-
-#: Postprocessors a task YAML can name in ``options.postprocessor``, with whether they score v2.
+#: Postprocessors a task YAML can name in ``options.postprocessor``, with whether they score v2:
+#: SQuAD v1.1 always takes the best span; v2.0 answers nothing when the null score beats it.
 POSTPROCESSORS: dict[str, tuple[Callable[..., list[str]], bool]] = {
-    "squad_v1": (squad_v1, False),
-    "squad_v2": (squad_v2, True),
+    "squad_v1": (functools.partial(decode_answers, version_2=False), False),
+    "squad_v2": (functools.partial(decode_answers, version_2=True), True),
 }
 
 
