@@ -321,7 +321,8 @@ def evaluate(
         ),
     ] = None,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Folder for results.json, results.md and the plots.")
+        Path | None,
+        typer.Option("--output", "-o", help="Folder for results.json, results.md and scores.png."),
     ] = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
@@ -371,7 +372,7 @@ def evaluate(
                         f"{result.task}: read {result.source} ({result.examples} examples)", highlight=False
                     )
             if output is not None:
-                stdout.print(f"wrote {output}/results.json, results.md and plots", highlight=False)
+                stdout.print(f"wrote {output}/results.json, results.md and scores.png", highlight=False)
     for result in results.failed:
         stderr.print(
             f"error: task {result.task}: {result.error}", markup=False, highlight=False, soft_wrap=True

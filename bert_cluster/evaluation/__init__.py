@@ -2,7 +2,7 @@
 
 ``evaluate`` (also ``run``) is the API the CLI calls: it checks every argument before any work, turns
 them into a ``RunPlan``, runs it (data-parallel under ``accelerate launch``), optionally writes
-results.json / results.md / plots, and returns the ``Results``. Called with no model it runs the
+results.json / results.md / scores.png, and returns the ``Results``. Called with no model it runs the
 embedded default, ``configs/eval/default.yaml``. ``TaskSession`` scores one configuration of one task
 at a time (scores and speed), for tools that search settings.
 """
@@ -154,7 +154,7 @@ def evaluate(
         batch_size: None: each task's default.
         device: ``cpu`` or ``cuda`` (under ``accelerate launch``, each process takes its own GPU).
         limit: score N examples per task (retrieval: N questions and a corpus cut in proportion).
-        output: folder for results.json, results.md and the plots (None: write nothing); it must be
+        output: folder for results.json, results.md and scores.png (None: write nothing); it must be
             empty unless ``overwrite``.
         overwrite: replace the files of an earlier run in ``output``.
         reporter: progress callbacks (``runner.Reporter``); None: silent.

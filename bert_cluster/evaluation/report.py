@@ -495,7 +495,7 @@ def check_output(folder: str | Path, overwrite: bool = False) -> Path:
 
 
 def write(results: Results, folder: str | Path) -> dict[str, Path]:
-    """Write results.json, results.md and the plots into ``folder`` (checked by ``check_output``).
+    """Write results.json, results.md and scores.png into ``folder`` (checked by ``check_output``).
 
     Files of an earlier run listed in its results.json and not written now are removed (so a stale plot
     never sits beside new results); no other file is touched.

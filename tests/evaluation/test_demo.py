@@ -151,7 +151,11 @@ def test_demo_end_to_end_through_the_cli(mini_data, tmp_path):
 
 
 # The README's figures: the whole demo (all 1,500 STS-B pairs; all 10,570 SQuAD questions against all
-# 2,067 paragraphs), as measured before the encoding moved to sentence-transformers, to two decimals.
+# 2,067 paragraphs), unmodified and at C=25, to two decimals. i-clustered attention is discontinuous (a
+# hash bit flips on a rounding difference), so the patched SQuAD figures move with the CPU's floating-point
+# paths: 62.26 / 86.07 / 72.35 on an AMD EPYC (the README's), 62.24 / 86.09 / 72.34 on an Intel Xeon with
+# AVX-512, with the hand-written encoder of 0.1.0 and with sentence-transformers alike; that is 2 questions
+# of 10,570. The patched SQuAD figures are checked to within 5 questions (0.05 points) of the README's.
 README_FIGURES = {
     "stsb-embedding": ({"spearman": 86.72, "pearson": 86.96}, {"spearman": 86.72, "pearson": 86.96}),
     "squad-retrieval": (
@@ -170,5 +174,7 @@ def test_the_whole_demo_reproduces_the_readme_figures(tmp_path):
         task = results[name]
         assert task.source.endswith((".tsv.gz", ".json.gz"))  # the packaged files
         assert {k: round(v, 2) for k, v in task.runs[0].scores.items()} == unmodified, name
-        assert {k: round(v, 2) for k, v in task.runs[1].scores.items()} == patched, name
+        tolerance = 0.0 if name == "stsb-embedding" else 0.05
+        for metric, value in patched.items():
+            assert abs(round(task.runs[1].scores[metric], 2) - value) <= tolerance + 1e-9, (name, metric)
         assert task.runs[1].speedup > 0 and task.runs[1].tokens_per_s > 0

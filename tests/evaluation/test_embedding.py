@@ -138,7 +138,7 @@ def test_every_module_comes_from_sentence_transformers(tmp_path, pooling, dense,
     ours = _kind_embeddings(folder, SENTENCES)
     modes = (pooling,) if isinstance(pooling, str) else pooling
     assert ours.shape == reference.shape and ours.shape[1] == (dense or 32 * len(modes))
-    # Measured: at most 3e-7 apart (same model and maths; only the batch composition differs).
+    # Measured: at most 1.9e-6 apart over these 7 cases (same model and maths; other batch composition).
     assert (ours - reference.cpu()).abs().max() < 1e-5
     if normalize:
         assert torch.allclose(ours.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
@@ -158,12 +158,12 @@ def test_a_converted_sentence_transformer_against_the_unconverted_one(tiny_st):
     before = encoder.encode(SENTENCES, convert_to_tensor=True)
     bert_cluster.convert(target, clusters=2, topk=512, min_length=0)
     exact = encoder.encode(SENTENCES, convert_to_tensor=True)
-    # Measured: 2e-7 (top-k over every key is exact attention; the sums run in another order).
+    # Measured: 8.9e-8 (top-k over every key is exact attention; the sums run in another order).
     assert (exact - before).abs().max() < 1e-5
     bert_cluster.revert(target)
     bert_cluster.convert(target, clusters=2, topk=2, min_length=0)
     approximate = encoder.encode(SENTENCES, convert_to_tensor=True)
-    # The longest sentence (128 tokens after truncation), 2 clusters, 2 exact keys each: it moves visibly.
+    # The longest sentence (128 tokens after truncation), 2 clusters, 2 exact keys each: measured 0.027.
     assert (approximate - before).abs().max() > 1e-3
     bert_cluster.revert(target)
     assert torch.equal(encoder.encode(SENTENCES, convert_to_tensor=True), before)
