@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# datasets caches every file load_dataset reads: keep that cache in a temporary folder (tests write
+# nowhere else). Set before datasets is imported, which reads it once.
+_CACHE = tempfile.mkdtemp(prefix="bert-cluster-tests-")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "datasets")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared"))
