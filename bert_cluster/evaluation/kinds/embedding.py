@@ -39,9 +39,9 @@ STS_METRICS = ("spearman", "pearson")
 
 
 def transformer_of(encoder: Any) -> torch.nn.Module:
-    """The module ``bert_cluster.convert`` patches in a SentenceTransformer: its transformers model.
+    """The transformers model inside a SentenceTransformer: what the runner patches, reads the config of.
 
-    Once ``convert`` accepts a SentenceTransformer itself, this returns ``encoder``.
+    (``bert_cluster.convert(encoder)`` patches the same module; the runner names it to read its config.)
     """
     return encoder[0].auto_model
 
