@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bert_cluster import _loader, dispatch, ops
+from bert_cluster import dispatch, ops
 
 _ROOT = Path(__file__).resolve().parent.parent  # the source checkout (setup.py lives here)
 
@@ -119,7 +119,8 @@ def build_kernels(cuda: bool = False, verbose: bool = False) -> dict[str, Any]:
         return result
     facts = json.loads(check.stdout.strip().splitlines()[-1])
     result.update(path=facts["path"], cpu_ops=facts["cpu"], cuda_ops=facts["cuda"])
-    complete = set(ops.KERNEL_OPS) <= set(facts["cpu"]) and (not cuda or set(ops.KERNEL_OPS) <= set(facts["cuda"]))
+    required = set(ops.KERNEL_OPS)
+    complete = required <= set(facts["cpu"]) and (not cuda or required <= set(facts["cuda"]))
     result["ok"] = facts["state"]["loaded"] and complete
     if not facts["state"]["loaded"]:
         result["log"] += "\n" + facts["state"]["reason"]

@@ -170,7 +170,7 @@ def test_loader_imports_nothing_from_the_package() -> None:
 
 
 def test_registered_kernels_are_checked_per_device(fresh_loader, monkeypatch) -> None:
-    """A _C that loads but lacks an op's kernel for a device makes that backend unavailable, with the op named."""
+    """A _C that loads but lacks an op's kernel for a device: that backend is unavailable, naming the op."""
     from bert_cluster import ops
 
     real = _loader.has_kernel
@@ -180,3 +180,14 @@ def test_registered_kernels_are_checked_per_device(fresh_loader, monkeypatch) ->
         pytest.skip(f"CPU kernels not built: {state['reason']}")
     ok, why = dispatch.CpuKernelBackend.is_available()
     assert not ok and "no CPU kernel for topk_refine" in why
+
+
+def test_cuda_declares_its_head_dim_limit() -> None:
+    """Head dims above 512 are a reason on the CUDA backend (auto then falls back), whatever the device."""
+    big = torch.zeros(1, 1, 2, 513)
+    reasons = dispatch.CudaKernelBackend.not_supported_reasons(big)
+    assert any("above 512" in reason for reason in reasons)
+    assert not any(
+        "above 512" in r for r in dispatch.CudaKernelBackend.not_supported_reasons(torch.zeros(1, 1, 2, 512))
+    )
+    assert not any("above 512" in r for r in dispatch.CpuKernelBackend.not_supported_reasons(big))

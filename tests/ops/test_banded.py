@@ -81,7 +81,9 @@ def test_banded_attention_matches_reference(case, dtype: str, backend: str, devi
     scaling = 1 / math.sqrt(dk)
     expected = ref.banded_attention(q, k, v, valid, window, scaling)
     kernels = dispatch.BACKENDS[backend]
-    got = kernels.banded_attention(q.to(device), k.to(device), v.to(device), valid.to(device), window, scaling)
+    got = kernels.banded_attention(
+        q.to(device), k.to(device), v.to(device), valid.to(device), window, scaling
+    )
     assert got.dtype == torch.float32 and got.shape == expected.shape
     torch.testing.assert_close(got.cpu(), expected, atol=ATOL, rtol=0)
     padded = ~valid[:, None, :, None].expand_as(expected)
@@ -91,7 +93,9 @@ def test_banded_attention_matches_reference(case, dtype: str, backend: str, devi
 @pytest.mark.parametrize("backend,device", _kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("window", [0, 5, 64, 1000])
-def test_banded_attention_equals_sdpa_with_the_band_mask(window: int, dtype: str, backend: str, device: str) -> None:
+def test_banded_attention_equals_sdpa_with_the_band_mask(
+    window: int, dtype: str, backend: str, device: str
+) -> None:
     _require(backend)
     n = 200
     q, k, v, valid = _inputs(n, 32, 32, "holes", DTYPES[dtype], seed=1)

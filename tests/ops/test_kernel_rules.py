@@ -68,7 +68,9 @@ def test_cpu_kernels_do_not_depend_on_the_thread_count(dtype) -> None:
             torch.set_num_threads(count)
             with torch.inference_mode():
                 result = _pipeline(q, k, v, valid)
-                result["end_to_end"] = clustered_attention(q, k, v, valid, ClusteredAttentionConfig(backend="cpu"))
+                result["end_to_end"] = clustered_attention(
+                    q, k, v, valid, ClusteredAttentionConfig(backend="cpu")
+                )
             outputs.append(result)
     finally:
         torch.set_num_threads(threads)
@@ -144,7 +146,7 @@ def test_hf_layout_inputs_are_read_in_place() -> None:
 
 @pytest.mark.parametrize("backend,device", _kernel_backends())
 def test_topk_ties_go_to_the_lowest_index_across_tiles(backend: str, device: str) -> None:
-    """Exact score ties (duplicated integer keys) over several 256-key tiles: the reference's order exactly."""
+    """Exact score ties (duplicated integer keys) over several 256-key tiles: the reference's order."""
     _require(backend)
     generator = torch.Generator().manual_seed(7)
     n, clusters, dk = 700, 3, 4

@@ -345,7 +345,10 @@ def test_fake_kernels_trace_without_graph_breaks() -> None:
         (lambda ops, t: ops.hamming_kmeans(t["hashes"], t["valid"].int(), 3, 2, 8), TypeError),
         (lambda ops, t: ops.group_queries(t["q"], t["hashes"] + 5, 3), ValueError),
         (lambda ops, t: ops.centroid_attention(t["q"], t["q"], t["q"], t["valid"], -1, 0.5), ValueError),
-        (lambda ops, t: ops.banded_attention(t["q"], t["q"][..., :4], t["q"], t["valid"], 2, 0.5), ValueError),
+        (
+            lambda ops, t: ops.banded_attention(t["q"], t["q"][..., :4], t["q"], t["valid"], 2, 0.5),
+            ValueError,
+        ),
         (lambda ops, t: ops.banded_attention(t["q"], t["q"], t["q"], t["valid"], -1, 0.5), ValueError),
         (lambda ops, t: ops.banded_attention(t["q"], t["q"], t["q"].double(), t["valid"], 2, 0.5), TypeError),
     ],
