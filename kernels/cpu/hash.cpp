@@ -309,6 +309,8 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   std::vector<int64_t> first;
   for (int64_t i = 0; i < n; ++i) {
     if (!valid[i]) continue;
+    TORCH_CHECK_VALUE(hashes_in[i] >= 0 && (bits == 63 || hashes_in[i] < (int64_t{1} << bits)),
+                      "hashes must be in 0..2^bits - 1 (as hash_queries returns), got ", hashes_in[i]);
     const uint64_t h = hashes[i];
     uint64_t slot = shift < 64 ? (h * 0x9E3779B97F4A7C15ULL) >> shift : 0;
     while (seen[slot] != kFree && seen[slot] != h) slot = (slot + 1) & cap_mask;
