@@ -384,9 +384,27 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
   for (int64_t i = 0; i < n; ++i)
     if (a[i] >= 0) sc.order[sc.fill[a[i]]++] = i;
   const bool is_float = job.type == InputType::kFloat32;
+  // The rows of a cluster's top-k keys and values sit anywhere in the head: start fetching those of the
+  // next cluster while this one computes (they are the first touch, from L2 or further).
+  auto prefetch_cluster = [&](int64_t c) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t l = job.indices[(rh * clusters + c) * k + j];
+      if (l < 0 || l >= n) continue;
+      const char* key = static_cast<const char*>(job.keys.ptr(r, h, l));
+      const char* value = static_cast<const char*>(job.values.ptr(r, h, l));
+      for (int64_t b = 0; b < dk * job.keys.itemsize; b += 64) __builtin_prefetch(key + b);
+      for (int64_t b = 0; b < dv * job.values.itemsize; b += 64) __builtin_prefetch(value + b);
+    }
+  };
+  int64_t next = 0;
+  while (next < clusters && st[next + 1] == st[next]) ++next;
+  if (next < clusters) prefetch_cluster(next);
   for (int64_t c = 0; c < clusters; ++c) {
     const int64_t members = st[c + 1] - st[c];
     if (members == 0) continue;
+    next = c + 1;
+    while (next < clusters && st[next + 1] == st[next]) ++next;
+    if (next < clusters) prefetch_cluster(next);
     const int64_t* member = sc.order.data() + st[c];
     const int64_t task = rh * clusters + c;
     float* base = sc.base.data();
