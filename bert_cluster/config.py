@@ -3,23 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: Bumped whenever the meaning of a field changes, so old results.json files stay interpretable.
-CONFIG_VERSION = 1
+#: 2: length_scaling (version-1 dicts load with length_scaling="none", what they meant); min_length "auto".
+CONFIG_VERSION = 2
 
 MODES = ("i-clustered", "clustered")
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 MAX_BITS = 63  # a hash must fit in one int64
+#: Upper bound of clusters, topk and min_length: counts of tokens or clusters, which the kernels multiply
+#: together (and by head dims) in int64; 2**31 - 1 is far above any sequence length and keeps those
+#: products far from overflowing.
+MAX_COUNT = 2**31 - 1
+#: Upper bound of iterations: K-means stops at a fixed point long before (typically within 10 rounds).
+MAX_ITERATIONS = 10_000
+#: Rows with up to this many valid tokens use ``clusters`` and ``topk`` as given, whatever length_scaling.
+SCALING_START = 512
+LENGTH_SCALINGS = ("none", "sqrt")
+#: min_length="auto": rows too short for clustering to pay (measured per backend) use exact attention.
+AUTO = "auto"
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def _check_int(name: str, value: Any, low: int, high: int, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
+        raise TypeError(f"{name} must be an int{also}, got {type(value).__name__} {value!r}")
+    if low <= value <= high:
+        return
+    if high <= MAX_BITS:  # a short range: name it whole
+        raise ValueError(f"{name} must be in {low}..{high}{also}, got {value}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}{also}, got {value}")
+    raise ValueError(f"{name} must be <= {high}{also}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,20 +61,28 @@ class ClusteredAttentionConfig:
     bits: int = MAX_BITS
     iterations: int = 10
     mode: str = "i-clustered"
-    min_length: int = 0
+    min_length: int | str = 0
+    length_scaling: str = "sqrt"
     seed: int = 0
     layers: tuple[int, ...] | None = None
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_int("clusters", self.clusters, 1)
-        _check_int("topk", self.topk, 1)
+        _check_int("clusters", self.clusters, 1, MAX_COUNT)
+        _check_int("topk", self.topk, 1, MAX_COUNT)
         _check_int("bits", self.bits, 1, MAX_BITS)
-        _check_int("iterations", self.iterations, 1)
-        _check_int("min_length", self.min_length, 0)
+        _check_int("iterations", self.iterations, 1, MAX_ITERATIONS)
+        if self.min_length != AUTO:
+            if isinstance(self.min_length, str):
+                raise ValueError(f"min_length must be an int or {AUTO!r}, got {self.min_length!r}")
+            _check_int("min_length", self.min_length, 0, MAX_COUNT, f" or {AUTO!r}")
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.length_scaling not in LENGTH_SCALINGS:
+            raise ValueError(
+                f"length_scaling must be one of {', '.join(LENGTH_SCALINGS)}, got {self.length_scaling!r}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.layers is not None:
@@ -68,6 +93,13 @@ class ClusteredAttentionConfig:
                     raise TypeError(f"layers must hold ints, got {index!r}")
             # Frozen: normalise lists to a sorted tuple without duplicates.
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    def row_settings(self, length: int) -> tuple[int, int]:
+        """``(clusters, topk)`` for a row of ``length`` valid tokens."""
+        if self.length_scaling == "none" or length <= SCALING_START:
+            return self.clusters, self.topk
+        factor = math.sqrt(length / SCALING_START)
+        return min(MAX_COUNT, round(self.clusters * factor)), min(MAX_COUNT, round(self.topk * factor))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``version`` key, as stored in ``model.config`` and results.json."""
@@ -86,6 +118,8 @@ class ClusteredAttentionConfig:
                 f"clustered attention config version {version!r} is newer than this bert-cluster "
                 f"understands (<= {CONFIG_VERSION}); upgrade bert-cluster"
             )
+        if version < 2:
+            data.setdefault("length_scaling", "none")  # version 1 had one cluster count for every length
         known = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

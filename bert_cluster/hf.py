@@ -212,7 +212,8 @@ def convert(
     mode: str = "i-clustered",
     layers: list[int] | tuple[int, ...] | None = None,
     seed: int = 0,
-    min_length: int = 0,
+    min_length: int | str = "auto",
+    length_scaling: str = ClusteredAttentionConfig.length_scaling,
     backend: str = "auto",
     config: ClusteredAttentionConfig | None = None,
 ) -> Any:
@@ -221,9 +222,14 @@ def convert(
     Args:
         model: a transformers ``PreTrainedModel`` of a supported family (BERT, RoBERTa, DistilBERT,
             ELECTRA, ALBERT, XLM-R, CamemBERT).
-        clusters, topk, bits, iterations, mode, layers, seed, min_length, backend: see
+        clusters, topk, bits, iterations, mode, layers, seed, min_length, length_scaling, backend: see
             ``ClusteredAttentionConfig``; ``layers`` indexes the model's attention layers.
         config: a ready ``ClusteredAttentionConfig``; when given, the keyword settings are ignored.
+
+    ``min_length`` defaults to ``"auto"`` here (``ClusteredAttentionConfig`` defaults to 0): rows too short
+    for clustering to pay on this machine run torch's SDPA, so a converted model is never slower than
+    the unmodified one; pass ``min_length=0`` to approximate every row longer than C (as the evaluator
+    does, to measure the approximation).
 
     Converting an already converted model replaces its settings; ``revert`` restores the
     implementation the model had before the first ``convert``.
@@ -238,6 +244,7 @@ def convert(
             layers=tuple(layers) if isinstance(layers, list) else layers,
             seed=seed,
             min_length=min_length,
+            length_scaling=length_scaling,
             backend=backend,
         )
     elif not isinstance(config, ClusteredAttentionConfig):

@@ -41,7 +41,7 @@ def test_every_family_converts_and_runs_a_padded_batch(family):
     exact = run(model, ids, mask).last_hidden_state
     for row, n in enumerate((48, 37)):  # measured: at most 1.8e-6 over the families
         assert (exact[row, :n] - reference[row, :n]).abs().max() < 1e-5
-    bert_cluster.convert(model, clusters=4, topk=3)  # now really approximate
+    bert_cluster.convert(model, clusters=4, topk=3, min_length=0)  # now really approximate
     approx = run(model, ids, mask).last_hidden_state
     assert torch.isfinite(approx).all()
     assert (approx[0] - reference[0]).abs().max() > 0.1  # measured: 0.80 to 2.29
@@ -56,8 +56,10 @@ def test_revert_restores_outputs_bit_for_bit(family):
     ids, mask = padded_batch(0)
     before = run(model, ids, mask).last_hidden_state
     original = model.config._attn_implementation
-    bert_cluster.convert(model, clusters=3, topk=2)
-    bert_cluster.convert(model, clusters=5, topk=2)  # converting twice still reverts to the original
+    bert_cluster.convert(model, clusters=3, topk=2, min_length=0)
+    bert_cluster.convert(
+        model, clusters=5, topk=2, min_length=0
+    )  # converting twice still reverts to the original
     assert not torch.equal(run(model, ids, mask).last_hidden_state, before)
     bert_cluster.revert(model)
     assert model.config._attn_implementation == original
@@ -69,7 +71,7 @@ def test_layers_selects_which_layers_are_patched():
     model = tiny_model("bert")
     ids, mask = padded_batch(0)
     before = run(model, ids, mask).hidden_states
-    bert_cluster.convert(model, clusters=3, topk=2, layers=[1])
+    bert_cluster.convert(model, clusters=3, topk=2, layers=[1], min_length=0)
     after = run(model, ids, mask).hidden_states
     assert torch.allclose(after[1], before[1], atol=1e-6)  # layer 0 untouched
     assert (after[2] - before[2]).abs().max() > 1e-4  # layer 1 patched
@@ -79,14 +81,14 @@ def test_layers_selects_which_layers_are_patched():
 def test_half_precision_models_stay_finite(dtype):
     model = tiny_model("bert").to(dtype)
     ids, mask = padded_batch(0)
-    bert_cluster.convert(model, clusters=4, topk=3)
+    bert_cluster.convert(model, clusters=4, topk=3, min_length=0)
     out = run(model, ids, mask).last_hidden_state
     assert out.dtype == dtype and torch.isfinite(out).all()
 
 
 def test_save_and_reload_keeps_the_patch(tmp_path):
     model = tiny_model("bert")
-    bert_cluster.convert(model, clusters=4, topk=3, seed=5)
+    bert_cluster.convert(model, clusters=4, topk=3, seed=5, min_length=0)
     ids, mask = padded_batch(0)
     expected = run(model, ids, mask).last_hidden_state
     model.save_pretrained(tmp_path / "m")
@@ -160,7 +162,7 @@ def test_output_attentions_is_refused_clearly():
 
 def test_sequence_classification_head_runs_in_training_mode():
     model = tiny_model("bert", head="cls").train()
-    bert_cluster.convert(model, clusters=3, topk=2)
+    bert_cluster.convert(model, clusters=3, topk=2, min_length=0)
     ids, mask = padded_batch(0)
     out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
     out.loss.backward()  # the reference backend is differentiable
@@ -192,7 +194,7 @@ def test_real_minilm_sentence_embeddings_stay_close(shared_dir, minilm_dir):
 
     plain_short = mean_pooled(model, tokenizer, sentences)
     plain_long = mean_pooled(model, tokenizer, paragraphs)
-    bert_cluster.convert(model, clusters=25, topk=32)
+    bert_cluster.convert(model, clusters=25, topk=32, min_length=0)
     short = mean_pooled(model, tokenizer, sentences)
     long = mean_pooled(model, tokenizer, paragraphs)
     bert_cluster.revert(model)
@@ -210,7 +212,7 @@ def test_real_minilm_sentence_embeddings_stay_close(shared_dir, minilm_dir):
 
 def test_torch_compile_traces_a_patched_model_without_graph_breaks():
     model = tiny_model("bert")
-    bert_cluster.convert(model, clusters=4, topk=3)
+    bert_cluster.convert(model, clusters=4, topk=3, min_length=0)
     ids, mask = padded_batch(0)
     eager = run(model, ids, mask).last_hidden_state
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a break raises
