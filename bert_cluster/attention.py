@@ -12,12 +12,13 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
+import os
 import threading
 import weakref
+from typing import Any
 
 import torch
 
@@ -122,8 +123,9 @@ def clustered_attention(
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Which rows go where, decided once per (valid mask, settings, shapes)."""
+    """Which backend and which rows go where, decided once per (valid mask, settings, shapes)."""
 
+    backend: Any  # a dispatch.Backend
     short: list[int]  # rows for exact attention
     short_lengths: list[int]  # their valid lengths
     short_prefix: bool  # every short row's valid tokens are a prefix (right padding or none)
@@ -140,33 +142,43 @@ class _Plan:
         return self._indices[key]
 
 
-_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS: dict = {}
 _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 16
 
 
-def _plan(query, key, value, valid, config, backend, scaling) -> _Plan:
-    """The routing plan, from a cache keyed on the very ``valid`` tensor (and its in-place version)."""
+def _plan(query, key, value, valid, config, scaling) -> _Plan:
+    """The routing plan, from a cache keyed on the very ``valid`` tensor (and its in-place version).
+
+    Everything the backend choice reads is in the key (devices, dtypes, whether autograd records, the
+    backend environment variables), so each layer of a forward pass reuses the first layer's plan.
+    """
     rows, heads, length, head_dim = query.shape
-    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, backend.name, config)
+    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    environment = tuple(os.environ.get(name) for name in _BACKEND_VARIABLES)
+    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, environment)
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
-    cache_key = (None, facts) if valid is None else ((id(valid), version), facts)
-    with _PLANS_LOCK:
-        cached = _PLANS.get(cache_key)
-        if cached is not None and (cached[0] is None or cached[0]() is valid):
-            _PLANS.move_to_end(cache_key)
-            return cached[1]
-    plan = _make_plan(query, key, value, valid, config, backend, scaling)
+    cache_key = (None if valid is None else (id(valid), version), facts, config)
+    cached = _PLANS.get(cache_key)
+    if cached is not None and (cached[0] is None or cached[0]() is valid):
+        return cached[1]
+    plan = _make_plan(query, key, value, valid, config, scaling)
     with _PLANS_LOCK:
         _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), plan)
         while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
+            _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     return plan
 
 
-def _make_plan(query, key, value, valid, config, backend, scaling) -> _Plan:
+_BACKEND_VARIABLES = ("BERT_CLUSTER_BACKEND", "BERT_CLUSTER_DISABLE_KERNELS")
+
+
+def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
+    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
+
+    backend = dispatch.select_backend(config.backend, query, key, value)
     rows, _, length, _ = query.shape
     if valid is None:
         lengths, prefix = [length] * rows, [True] * rows
@@ -186,11 +198,13 @@ def _make_plan(query, key, value, valid, config, backend, scaling) -> _Plan:
 
             min_length = crossover.min_length(backend, query, key, value, config, scaling)
     long_rows = [r for r in long_rows if lengths[r] >= min_length]
-    short = [r for r in range(rows) if r not in set(long_rows)]
+    clustered = set(long_rows)
+    short = [r for r in range(rows) if r not in clustered]
     groups: dict[tuple[int, int], list[int]] = {}
     for r in long_rows:
         groups.setdefault(settings[r], []).append(r)
     return _Plan(
+        backend=backend,
         short=short,
         short_lengths=[lengths[r] for r in short],
         short_prefix=all(prefix[r] for r in short),
@@ -202,10 +216,8 @@ def _make_plan(query, key, value, valid, config, backend, scaling) -> _Plan:
 
 def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
     """Short rows to SDPA, the rest through the paper's steps on the chosen backend, per row settings."""
-    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
-
-    backend = dispatch.select_backend(config.backend, query, key, value)
-    plan = _plan(query, key, value, valid, config, backend, scaling)
+    plan = _plan(query, key, value, valid, config, scaling)
+    backend = plan.backend
     rows, _, length, _ = query.shape
     if valid is None and plan.groups:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)

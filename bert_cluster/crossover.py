@@ -168,8 +168,7 @@ def measure(
     device, dtype = query.device, query.dtype
     now = _timer(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    start, timings, wins = time.perf_counter(), [], 0
-    crossover = None
+    start, timings = time.perf_counter(), []
     with torch.no_grad():
         for n in LENGTHS:
             clusters, topk = config.row_settings(n)
@@ -194,25 +193,39 @@ def measure(
                     times[label].append(now() - begin)
             exact_s, clustered_s = min(times["sdpa"]), min(times["clustered"])
             timings.append({"length": n, "sdpa_s": exact_s, "clustered_s": clustered_s})
-            wins = wins + 1 if clustered_s <= MARGIN * exact_s else 0
-            if wins == 2:
-                crossover = timings[-2]["length"]
+            if _two_wins(timings) or time.perf_counter() - start > BUDGET_S:
                 break
-            if time.perf_counter() - start > BUDGET_S:
-                break
-    if crossover is None and timings:
-        last = timings[-1]
-        if wins == 1:
-            crossover = last["length"]
-        else:  # ratio clustered/SDPA shrinks as 1/N: it reaches MARGIN at about N * ratio / MARGIN
-            ratio = last["clustered_s"] / last["sdpa_s"]
-            crossover = math.ceil(last["length"] * ratio / MARGIN)
+    crossover = crossover_from(timings)
     return {
         "min_length": int(crossover or 0),
         "timings": timings,
         "seconds": round(time.perf_counter() - start, 3),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _wins(timings: list[dict]) -> list[bool]:
+    return [t["clustered_s"] <= MARGIN * t["sdpa_s"] for t in timings]
+
+
+def _two_wins(timings: list[dict]) -> bool:
+    wins = _wins(timings)
+    return len(wins) >= 2 and wins[-1] and wins[-2]
+
+
+def crossover_from(timings: list[dict]) -> int:
+    """The crossover length from timings by increasing length (see the module docstring)."""
+    if not timings:
+        return 0
+    wins = _wins(timings)
+    for index in range(len(timings) - 1):
+        if wins[index] and wins[index + 1]:
+            return timings[index]["length"]
+    last = timings[-1]
+    if wins[-1]:
+        return last["length"]
+    # SDPA grows as N^2 and clustering as N: their ratio reaches MARGIN at about N * ratio / MARGIN.
+    return math.ceil(last["length"] * last["clustered_s"] / last["sdpa_s"] / MARGIN)
 
 
 def clear_memory() -> None:

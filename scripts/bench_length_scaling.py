@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,7 +27,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SQUAD = REPO.parent / "shared/data/squad/dev-v1.1.json"
+#: ../shared as the tests find it (BERT_CLUSTER_SHARED overrides; a git worktree may sit one level deeper).
+SHARED = next(
+    (
+        p
+        for p in (
+            Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared")),
+            REPO.parents[1] / "shared",
+        )
+        if (p / "data").is_dir()
+    ),
+    REPO.parent / "shared",
+)
+SQUAD = SHARED / "data/squad/dev-v1.1.json"
 
 
 def parse_setting(text: str) -> dict:
