@@ -18,6 +18,11 @@ The crossover is the first length at which clustering takes at most ``MARGIN`` o
 at the next length (two in a row, so that one noisy win does not count). If the time ``BUDGET_S`` runs
 out first, the crossover is extrapolated from the last length measured: SDPA grows as N^2 and
 clustering as N, so their ratio shrinks as 1/N.
+
+A busy machine spoils such a measurement (the clustered path has several parallel regions, and each
+waits for a descheduled thread): when the repeats of a length spread by more than ``STABLE_SPREAD``
+(median over minimum), the figure is used for this process only and not cached, so that a later, quieter
+process measures again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -46,6 +52,8 @@ MARGIN = 0.9
 #: Seconds a measurement may take before the crossover is extrapolated.
 BUDGET_S = 4.0
 REPEATS = 7
+#: Median over minimum of a length's repeats above which a measurement is too noisy to cache.
+STABLE_SPREAD = 1.5
 
 logger = logging.getLogger(__name__)
 _MEMORY: dict[str, int] = {}
@@ -118,6 +126,13 @@ def min_length(
             return _MEMORY[name]
         result = measure(backend, query, key, value, config, scaling)
         _MEMORY[name] = result["min_length"]
+        if not result.get("stable", True):
+            logger.warning(
+                "bert-cluster: the crossover measurement was noisy (a busy machine?); min_length=%d for "
+                "this process, measured again next time",
+                result["min_length"],
+            )
+            return _MEMORY[name]
         stored = _read(path)  # another process may have written meanwhile
         stored[name] = {**result, "facts": entry}
         _write(path, stored)
@@ -192,12 +207,14 @@ def measure(
                     fn()
                     times[label].append(now() - begin)
             exact_s, clustered_s = min(times["sdpa"]), min(times["clustered"])
-            timings.append({"length": n, "sdpa_s": exact_s, "clustered_s": clustered_s})
+            spread = max(statistics.median(t) / min(t) for t in times.values())
+            timings.append({"length": n, "sdpa_s": exact_s, "clustered_s": clustered_s, "spread": spread})
             if _two_wins(timings) or time.perf_counter() - start > BUDGET_S:
                 break
     crossover = crossover_from(timings)
     return {
         "min_length": int(crossover or 0),
+        "stable": all(t["spread"] <= STABLE_SPREAD for t in timings),
         "timings": timings,
         "seconds": round(time.perf_counter() - start, 3),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

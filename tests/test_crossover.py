@@ -78,6 +78,18 @@ def test_an_unwritable_cache_folder_keeps_the_figure_in_memory(tmp_path, monkeyp
     crossover.clear_memory()
 
 
+def test_a_noisy_measurement_is_used_but_not_cached(cache, monkeypatch):
+    calls = []
+    noisy = {"min_length": 900, "stable": False, "timings": []}
+    monkeypatch.setattr(crossover, "measure", lambda *a: calls.append(1) or noisy)
+    q, k, v = q_k_v()
+    assert crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5) == 900
+    assert not cache.exists()
+    crossover.clear_memory()  # the next process measures again
+    crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5)
+    assert len(calls) == 2
+
+
 def test_a_real_measurement_is_quick_and_well_formed(cache, monkeypatch):
     monkeypatch.setattr(crossover, "BUDGET_S", 0.3)
     q, k, v = q_k_v(heads=1, dk=4, dv=4)
@@ -86,7 +98,8 @@ def test_a_real_measurement_is_quick_and_well_formed(cache, monkeypatch):
     )
     assert result["timings"] and result["seconds"] < 10
     assert result["min_length"] == crossover.crossover_from(result["timings"]) >= 0
-    assert all(t["sdpa_s"] > 0 and t["clustered_s"] > 0 for t in result["timings"])
+    assert all(t["sdpa_s"] > 0 and t["clustered_s"] > 0 and t["spread"] >= 1 for t in result["timings"])
+    assert result["stable"] == all(t["spread"] <= crossover.STABLE_SPREAD for t in result["timings"])
 
 
 def test_auto_routes_rows_below_the_crossover_to_exact_attention(cache, monkeypatch):
