@@ -289,10 +289,10 @@ def exact_rows(
     packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     if mask is not None:
         packed = torch.where(keep, packed, 0)
-    out = query.new_zeros(out_shape)
-    if order is None:
-        return torch.cat([packed, out[:, :, longest:]], dim=2) if longest < length else packed
-    return out.scatter(2, order[:, None, :, None].expand(-1, heads, -1, out.shape[-1]), packed)
+    if order is None:  # right padding: the padded tail gets zeros
+        return torch.nn.functional.pad(packed, (0, 0, 0, length - longest))
+    index = order[:, None, :, None].expand(-1, heads, -1, packed.shape[-1])
+    return query.new_zeros(out_shape).scatter(2, index, packed)
 
 
 def windowed_attention(
@@ -331,7 +331,8 @@ _CONFIG_FIELDS = (
     "iterations",
     "mode",
     "min_length",
-    "length_scaling",
+    "cluster_growth",
+    "topk_growth",
     "seed",
     "backend",
 )
@@ -357,7 +358,8 @@ def _clustered_attention_op(
     iterations: int,
     mode: str,
     min_length: str,
-    length_scaling: str,
+    cluster_growth: float,
+    topk_growth: float,
     seed: int,
     backend: str,
     scaling: float,
@@ -368,7 +370,7 @@ def _clustered_attention_op(
     Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
     Forward only: compiling a patched model is for inference; eager training uses the reference path.
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, length_scaling, seed, backend)
+    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
     settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
     if settings["min_length"] != AUTO:
         settings["min_length"] = int(settings["min_length"])

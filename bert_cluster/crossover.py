@@ -97,7 +97,7 @@ def facts(backend: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         "dtype": str(query.dtype).removeprefix("torch."),
         "settings": {
             name: getattr(config, name)
-            for name in ("clusters", "topk", "bits", "iterations", "mode", "length_scaling")
+            for name in ("clusters", "topk", "bits", "iterations", "mode", "cluster_growth", "topk_growth")
         },
     }
 

@@ -213,7 +213,8 @@ def convert(
     layers: list[int] | tuple[int, ...] | None = None,
     seed: int = 0,
     min_length: int | str = "auto",
-    length_scaling: str = ClusteredAttentionConfig.length_scaling,
+    cluster_growth: float = ClusteredAttentionConfig.cluster_growth,
+    topk_growth: float = ClusteredAttentionConfig.topk_growth,
     backend: str = "auto",
     config: ClusteredAttentionConfig | None = None,
 ) -> Any:
@@ -222,8 +223,8 @@ def convert(
     Args:
         model: a transformers ``PreTrainedModel`` of a supported family (BERT, RoBERTa, DistilBERT,
             ELECTRA, ALBERT, XLM-R, CamemBERT).
-        clusters, topk, bits, iterations, mode, layers, seed, min_length, length_scaling, backend: see
-            ``ClusteredAttentionConfig``; ``layers`` indexes the model's attention layers.
+        clusters, topk, bits, iterations, mode, layers, seed, min_length, cluster_growth, topk_growth,
+            backend: see ``ClusteredAttentionConfig``; ``layers`` indexes the model's attention layers.
         config: a ready ``ClusteredAttentionConfig``; when given, the keyword settings are ignored.
 
     ``min_length`` defaults to ``"auto"`` here (``ClusteredAttentionConfig`` defaults to 0): rows too short
@@ -244,7 +245,8 @@ def convert(
             layers=tuple(layers) if isinstance(layers, list) else layers,
             seed=seed,
             min_length=min_length,
-            length_scaling=length_scaling,
+            cluster_growth=cluster_growth,
+            topk_growth=topk_growth,
             backend=backend,
         )
     elif not isinstance(config, ClusteredAttentionConfig):

@@ -9,10 +9,13 @@ are same-run; the embedding is the model's own pooling (mean over tokens, normal
 with the unmodified one by cosine. Prints a table and writes JSON.
 
     python scripts/bench_length_scaling.py --model /tmp/w5-models/minilm-l6-16k --threads 2 \\
-        --lengths 2048 4096 8192 16384 --settings C25 C100 "C25 sqrt" --output results/length_scaling.json
+        --lengths 2048 4096 8192 16384 --settings "C25 fixed" "C100 fixed" default \
+        --output results/length_scaling.json
 
-A setting is a space-separated list: ``C<n>`` clusters, ``k<n>`` top-k, ``none``/``sqrt`` (length
-scaling), ``L<n>`` iterations; anything not given is ``convert``'s default.
+A setting is a space-separated list: ``C<n>`` clusters, ``k<n>`` top-k, ``L<n>`` iterations,
+``cg=<x>`` / ``kg=<x>`` cluster_growth / topk_growth, ``fixed`` (both growths 0), ``default`` (nothing
+changed); anything not given is ``convert``'s default, except min_length=0: these
+lengths are far above any crossover, and a crossover measured on a busy machine must not decide here.
 """
 
 from __future__ import annotations
@@ -43,15 +46,21 @@ SQUAD = SHARED / "data/squad/dev-v1.1.json"
 
 
 def parse_setting(text: str) -> dict:
-    """``"C100 k64 none"`` -> convert keyword arguments."""
+    """``"C100 k64 fixed"`` -> convert keyword arguments."""
     settings: dict = {}
     for token in text.split():
-        if token in ("none", "sqrt"):
-            settings["length_scaling"] = token
+        if token == "fixed":
+            settings.update(cluster_growth=0.0, topk_growth=0.0)
+        elif token == "default":
+            pass
+        elif token.startswith(("cg=", "kg=")):
+            settings["cluster_growth" if token[0] == "c" else "topk_growth"] = float(token[3:])
         elif token[0] in "CkL" and token[1:].isdigit():
             settings[{"C": "clusters", "k": "topk", "L": "iterations"}[token[0]]] = int(token[1:])
         else:
-            raise SystemExit(f"bad setting token {token!r} in {text!r}: use C<n>, k<n>, L<n>, none, sqrt")
+            raise SystemExit(
+                f"bad setting {token!r} in {text!r}: use C<n>, k<n>, L<n>, cg=<x>, kg=<x>, fixed"
+            )
     return settings
 
 
@@ -81,7 +90,7 @@ def main() -> None:
         "--docs", type=int, default=6, help="documents per length (fewer at 16k, see --docs-16k)"
     )
     parser.add_argument("--docs-16k", type=int, default=3)
-    parser.add_argument("--settings", nargs="+", default=["C25 none", "C100 none", "C25 sqrt"])
+    parser.add_argument("--settings", nargs="+", default=["C25 fixed", "cg=0.5 kg=0.5", "default"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--squad", type=Path, default=SQUAD)
     parser.add_argument("--output", type=Path, default=Path("results/length_scaling.json"))
@@ -122,7 +131,7 @@ def main() -> None:
                         if hasattr(model.config, "clustered_attention"):
                             bert_cluster.revert(model)
                     else:
-                        bert_cluster.convert(model, **settings)
+                        bert_cluster.convert(model, **{"min_length": 0, **settings})
                     if number == 0:
                         embed(ids[:, :1024])  # warm-up (and the auto crossover, once)
                     vector, seconds = embed(ids)

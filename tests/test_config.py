@@ -18,7 +18,8 @@ def test_round_trip_through_json_keeps_every_field():
         iterations=3,
         mode="clustered",
         min_length=40,
-        length_scaling="none",
+        cluster_growth=0,
+        topk_growth=0.25,
         seed=9,
         layers=[3, 1, 1],
         backend="reference",
@@ -46,7 +47,14 @@ def test_from_dict_refuses_unknown_keys_and_newer_versions():
         ("min_length", -2, ValueError, "min_length must be >= 0 or 'auto', got -2"),
         ("min_length", "fast", ValueError, "min_length must be an int or 'auto', got 'fast'"),
         ("min_length", 2.5, TypeError, "min_length must be an int or 'auto'"),
-        ("length_scaling", "log", ValueError, "length_scaling must be one of none, sqrt"),
+        (
+            "cluster_growth",
+            1.5,
+            ValueError,
+            r"cluster_growth must be a number in 0\.\.1 \(0: fixed, 1: linear",
+        ),
+        ("topk_growth", -0.1, ValueError, r"topk_growth must be a number in 0\.\.1"),
+        ("topk_growth", "sqrt", ValueError, r"topk_growth must be a number in 0\.\.1"),
         # Counts that would overflow int64 arithmetic in the ops (measured before the bound: 2**63 passed
         # convert and failed in the forward pass).
         ("clusters", 2**63, ValueError, f"clusters must be <= {MAX_COUNT}, got {2**63}"),
@@ -95,10 +103,10 @@ def test_the_largest_allowed_counts_run():
     assert torch.isfinite(out).all()
 
 
-def test_min_length_auto_and_length_scaling_round_trip():
-    config = ClusteredAttentionConfig(min_length="auto", length_scaling="sqrt")
+def test_min_length_auto_and_growth_round_trip():
+    config = ClusteredAttentionConfig(min_length="auto", cluster_growth=1, topk_growth=0.25)
     data = json.loads(json.dumps(config.to_dict()))
-    assert data["min_length"] == "auto" and data["length_scaling"] == "sqrt"
+    assert data["min_length"] == "auto" and data["cluster_growth"] == 1.0 and data["topk_growth"] == 0.25
     assert ClusteredAttentionConfig.from_dict(data) == config
 
 
@@ -117,15 +125,22 @@ def test_version_1_dicts_keep_their_meaning():
         "version": 1,
     }
     config = ClusteredAttentionConfig.from_dict(old)
-    assert config.length_scaling == "none"
+    assert config.cluster_growth == 0 and config.topk_growth == 0
     assert config.row_settings(16384) == (25, 32)
-    assert ClusteredAttentionConfig.from_dict({**old, "version": 2}).length_scaling == "sqrt"
+    assert ClusteredAttentionConfig.from_dict({**old, "version": 2}).row_settings(16384) == (336, 181)
 
 
-def test_row_settings_change_nothing_up_to_512_tokens_and_grow_with_the_square_root_after():
+def test_row_settings_change_nothing_up_to_512_tokens_and_grow_as_documented_after():
     config = ClusteredAttentionConfig(clusters=25, topk=32)
     for length in (1, 25, 128, 384, 512):
         assert config.row_settings(length) == (25, 32)
-    assert config.row_settings(2048) == (50, 64)
-    assert config.row_settings(8192) == (100, 128)
-    assert ClusteredAttentionConfig(length_scaling="none").row_settings(8192) == (25, 32)
+    # The figures of the ClusteredAttentionConfig docstring.
+    assert [config.row_settings(n) for n in (1024, 2048, 8192, 16384)] == [
+        (42, 45),
+        (71, 64),
+        (200, 128),
+        (336, 181),
+    ]
+    assert ClusteredAttentionConfig(cluster_growth=0, topk_growth=0).row_settings(8192) == (25, 32)
+    assert ClusteredAttentionConfig(cluster_growth=1, topk_growth=1).row_settings(8192) == (400, 512)
+    assert ClusteredAttentionConfig(clusters=2**31 - 1, cluster_growth=1).row_settings(10**6)[0] == 2**31 - 1

@@ -558,7 +558,7 @@ def test_rows_of_different_lengths_use_their_own_cluster_counts():
     n = 1200
     q, k, v = qkv(rows=3, heads=2, n=n, dk=8, dv=8)
     valid = torch.ones(3, n, dtype=torch.bool)
-    valid[1, 600:] = False  # 600 tokens: C and k scaled by sqrt(600 / 512)
+    valid[1, 600:] = False  # 600 tokens: C and k grown
     valid[2, 300:] = False  # 300 tokens: unscaled
     cfg = config(clusters=8, topk=4, iterations=3)
     assert len({cfg.row_settings(int(length)) for length in valid.sum(-1)}) == 3
@@ -574,5 +574,5 @@ def test_rows_of_different_lengths_use_their_own_cluster_counts():
             scaling=SCALE,
         )
         assert (batched[row : row + 1, :, keep] - alone).abs().max() < 1e-5
-    fixed = clustered_attention(q, k, v, valid, cfg.replace(length_scaling="none"), scaling=SCALE)
+    fixed = clustered_attention(q, k, v, valid, cfg.replace(cluster_growth=0, topk_growth=0), scaling=SCALE)
     assert torch.equal(fixed[2], batched[2]) and not torch.equal(fixed[0], batched[0])
