@@ -160,13 +160,15 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
-    cache_key = (None if valid is None else (id(valid), version), facts, config)
+    # The config by identity (a model's layers share one object; hashing its fields costs more), checked
+    # below together with the mask, so that a reused id never returns another object's plan.
+    cache_key = (None if valid is None else (id(valid), version), facts, id(config))
     cached = _PLANS.get(cache_key)
-    if cached is not None and (cached[0] is None or cached[0]() is valid):
-        return cached[1]
+    if cached is not None and cached[1] is config and (cached[0] is None or cached[0]() is valid):
+        return cached[2]
     plan = _make_plan(query, key, value, valid, config, scaling)
     with _PLANS_LOCK:
-        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), plan)
+        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), config, plan)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     return plan
