@@ -391,7 +391,6 @@ def _sentence_transformer_models(model: Any) -> list[Any] | None:
 
 # --- the API -------------------------------------------------------------------------------------------
 
-_DEFAULTS = ClusteredAttentionConfig()
 
 
 def convert(
@@ -404,7 +403,9 @@ def convert(
     mode: str = "i-clustered",
     layers: list[int] | tuple[int, ...] | None = None,
     seed: int = 0,
-    min_length: int = 0,
+    min_length: int | str = "auto",
+    cluster_growth: float = ClusteredAttentionConfig.cluster_growth,
+    topk_growth: float = ClusteredAttentionConfig.topk_growth,
     backend: str = "auto",
     config: ClusteredAttentionConfig | None = None,
 ) -> Any:
@@ -415,12 +416,17 @@ def convert(
             (BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT, XLM-R, CamemBERT, ModernBERT, nomic-bert, GTE,
             Jina v3, EuroBERT, ...), or a ``sentence_transformers.SentenceTransformer`` (its transformer
             module's model is patched).
-        clusters, topk, bits, iterations, mode, seed, min_length, backend: see ``ClusteredAttentionConfig``.
+        clusters, topk, bits, iterations, mode, seed, min_length, cluster_growth, topk_growth, backend:
+            see ``ClusteredAttentionConfig``.
         layers: indices of the attention layers to patch (the model's layer numbers), or None for all.
             In hybrid models (ModernBERT) a selected sliding-window layer runs the exact band
             (``windowed_attention``), a selected global layer clustered attention; unselected layers keep
             the model's own implementation and mask.
         config: a ready ``ClusteredAttentionConfig``, instead of the keyword settings.
+
+    ``min_length`` defaults to ``"auto"`` here (``ClusteredAttentionConfig`` defaults to 0): rows too short
+    for clustering to pay on this machine run torch's SDPA, so a converted model is never slower than
+    the unmodified one; pass ``min_length=0`` to approximate every row longer than C.
 
     The model gets a config object of its own (a config shared with another model is left alone).
     Converting an already converted model replaces its settings; ``revert`` restores the implementation
@@ -438,6 +444,8 @@ def convert(
             layers=tuple(layers) if isinstance(layers, list) else layers,
             seed=seed,
             min_length=min_length,
+            cluster_growth=cluster_growth,
+            topk_growth=topk_growth,
             backend=backend,
         )
     elif not isinstance(config, ClusteredAttentionConfig):
@@ -448,9 +456,11 @@ def convert(
     else:
         given = dict(
             clusters=clusters, topk=topk, bits=bits, iterations=iterations, mode=mode, layers=layers,
-            seed=seed, min_length=min_length, backend=backend,
+            seed=seed, min_length=min_length, cluster_growth=cluster_growth, topk_growth=topk_growth,
+            backend=backend,
         )  # fmt: skip
-        clash = [name for name, value in given.items() if value != getattr(_DEFAULTS, name)]
+        defaults = inspect.signature(convert).parameters
+        clash = [name for name, value in given.items() if value != defaults[name].default]
         if clash:
             raise TypeError(f"pass either config= or keyword settings, not both (got config= and {clash})")
         if config.layers is not None and len(config.layers) == 0:

@@ -28,6 +28,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _crossover_cache_in_a_temporary_folder(tmp_path_factory):
+    """min_length="auto" caches its measured crossover: in the tests, never in the user's cache folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BERT_CLUSTER_CACHE_DIR", str(tmp_path_factory.mktemp("bert-cluster-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -52,13 +52,13 @@ def test_every_family_is_exact_when_topk_covers_every_key(family):
     model = tiny_model(family)
     ids, mask, _ = padded_batch(model)
     reference = run(model, ids, mask).last_hidden_state
-    bert_cluster.convert(model, clusters=4, topk=64)  # k >= N: exact, so the whole model must match
+    bert_cluster.convert(model, clusters=4, topk=64, min_length=0)  # k >= N: exact, so the whole model must match
     assert model.config._attn_implementation == "bert_cluster"
     exact = run(model, ids, mask).last_hidden_state
     # measured: at most 3.5e-6 over the families (float32 summation order); hybrid families' local layers
     # go through the exact band, their global layers through clustering with k >= N
     assert max_difference(exact, reference, mask) < 2e-5
-    bert_cluster.convert(model, clusters=3, topk=3)  # now really approximate
+    bert_cluster.convert(model, clusters=3, topk=3, min_length=0)  # now really approximate
     approx = run(model, ids, mask).last_hidden_state
     assert torch.isfinite(approx).all()
     assert max_difference(approx, reference, mask) > 0.05  # measured: 0.27 (NeoMME) to 4.2 (EuroBERT)
@@ -69,9 +69,9 @@ def test_further_families_on_the_interface_convert_exactly_and_revert(family):
     model = tiny_model(family)
     ids, mask, _ = padded_batch(model)
     reference = run(model, ids, mask).last_hidden_state
-    bert_cluster.convert(model, clusters=4, topk=64)
+    bert_cluster.convert(model, clusters=4, topk=64, min_length=0)
     assert max_difference(run(model, ids, mask).last_hidden_state, reference, mask) < 2e-5  # measured 2e-6
-    bert_cluster.convert(model, clusters=3, topk=3)
+    bert_cluster.convert(model, clusters=3, topk=3, min_length=0)
     assert max_difference(run(model, ids, mask).last_hidden_state, reference, mask) > 0.05  # measured 0.34+
     bert_cluster.revert(model)
     assert torch.equal(run(model, ids, mask).last_hidden_state, reference)
@@ -80,7 +80,7 @@ def test_further_families_on_the_interface_convert_exactly_and_revert(family):
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_a_padded_row_equals_the_row_alone(family, side):
-    model = bert_cluster.convert(tiny_model(family), clusters=3, topk=3, seed=7)
+    model = bert_cluster.convert(tiny_model(family), clusters=3, topk=3, seed=7, min_length=0)
     ids, mask, positions = padded_batch(model, side)
     batch = run(model, ids, mask, positions).last_hidden_state
     for row in range(len(LENGTHS)):
@@ -97,8 +97,8 @@ def test_revert_restores_outputs_bit_for_bit(family):
     ids, mask, _ = padded_batch(model)
     before = run(model, ids, mask).last_hidden_state
     original = model.config._attn_implementation
-    bert_cluster.convert(model, clusters=3, topk=2)
-    bert_cluster.convert(model, clusters=5, topk=2)  # converting twice still reverts to the original
+    bert_cluster.convert(model, clusters=3, topk=2, min_length=0)
+    bert_cluster.convert(model, clusters=5, topk=2, min_length=0)  # converting twice still reverts to the original
     assert not torch.equal(run(model, ids, mask).last_hidden_state, before)
     bert_cluster.revert(model)
     assert model.config._attn_implementation == original
@@ -111,7 +111,7 @@ def test_revert_restores_outputs_bit_for_bit(family):
 def test_save_and_from_pretrained_keep_the_patch(family, tmp_path):
     from transformers import AutoModel
 
-    model = bert_cluster.convert(tiny_model(family), clusters=3, topk=3, seed=5)
+    model = bert_cluster.convert(tiny_model(family), clusters=3, topk=3, seed=5, min_length=0)
     ids, mask, _ = padded_batch(model)
     expected = run(model, ids, mask).last_hidden_state
     model.save_pretrained(tmp_path)
@@ -123,7 +123,7 @@ def test_save_and_from_pretrained_keep_the_patch(family, tmp_path):
 
 def test_save_and_reload_in_a_fresh_interpreter(tmp_path):
     model = tiny_model("bert")
-    bert_cluster.convert(model, clusters=4, topk=3, seed=5)
+    bert_cluster.convert(model, clusters=4, topk=3, seed=5, min_length=0)
     ids, mask, _ = padded_batch(model)
     expected = run(model, ids, mask).last_hidden_state
     model.save_pretrained(tmp_path / "m")
@@ -161,7 +161,7 @@ def test_a_sliding_window_layer_runs_the_exact_band_of_modernbert():
     # ModernBERT passes sliding_window = half window + 1 (flash convention) and masks |i - j| <= half window.
     from bert_cluster.hf import attention_forward
 
-    model = bert_cluster.convert(tiny_model("modernbert"), clusters=2, topk=2)
+    model = bert_cluster.convert(tiny_model("modernbert"), clusters=2, topk=2, min_length=0)
     local = model.layers[1].attn
     assert local.sliding_window == HALF_WINDOW + 1
     torch.manual_seed(2)
@@ -189,11 +189,11 @@ def test_layers_selects_global_and_local_layers_of_hybrid_models(family):
     local_layer = kinds.index("sliding_attention")
     first = min(global_layer, local_layer)
     # a local layer alone: the band is exact, so the model barely moves (measured 1.4e-6)
-    bert_cluster.convert(model, clusters=2, topk=2, layers=[local_layer])
+    bert_cluster.convert(model, clusters=2, topk=2, layers=[local_layer], min_length=0)
     after = run(model, ids, mask).hidden_states
     assert max_difference(after[-1], before[-1], mask) < 2e-5
     # a global layer alone: clustered; the layers before it are untouched, bit for bit
-    bert_cluster.convert(model, clusters=2, topk=2, layers=[global_layer])
+    bert_cluster.convert(model, clusters=2, topk=2, layers=[global_layer], min_length=0)
     after = run(model, ids, mask).hidden_states
     assert torch.equal(after[global_layer], before[global_layer])
     assert max_difference(after[global_layer + 1], before[global_layer + 1], mask) > 1e-3
@@ -211,7 +211,7 @@ def test_long_xlm_roberta_positions_like_bge_m3():
     model = T.XLMRobertaModel(config).eval()
     ids, mask, _ = padded_batch(model, lengths=(700, 611), width=700)
     reference = run(model, ids, mask).last_hidden_state
-    bert_cluster.convert(model, clusters=8, topk=700)
+    bert_cluster.convert(model, clusters=8, topk=700, min_length=0)
     assert max_difference(run(model, ids, mask).last_hidden_state, reference, mask) < 2e-5  # measured 2.4e-6
 
 
@@ -302,7 +302,7 @@ def test_layers_selects_which_layers_are_patched():
     model = tiny_model("bert")
     ids, mask, _ = padded_batch(model)
     before = run(model, ids, mask).hidden_states
-    bert_cluster.convert(model, clusters=3, topk=2, layers=[1])
+    bert_cluster.convert(model, clusters=3, topk=2, layers=[1], min_length=0)
     after = run(model, ids, mask).hidden_states
     assert torch.equal(after[1], before[1])  # layer 0 untouched: its own implementation and mask
     assert max_difference(after[2], before[2], mask) > 1e-2  # layer 1 patched
@@ -314,26 +314,26 @@ def test_layers_selects_which_layers_are_patched():
 def test_output_attentions_is_refused_in_the_call_and_in_the_config():
     import transformers as T
 
-    model = bert_cluster.convert(tiny_model("bert"), clusters=2)
+    model = bert_cluster.convert(tiny_model("bert"), clusters=2, min_length=0)
     ids, mask, _ = padded_batch(model)
     with pytest.raises(ValueError, match="output_attentions"):
         run(model, ids, mask, output_attentions=True)
     config = tiny_config("bert")
     config.output_attentions = True  # transformers accepts this for eager models only
     torch.manual_seed(0)
-    model = bert_cluster.convert(T.BertModel(config).eval(), clusters=2)
+    model = bert_cluster.convert(T.BertModel(config).eval(), clusters=2, min_length=0)
     with pytest.raises(ValueError, match="output_attentions"):  # silently gave attentions == () before
         run(model, ids, mask)
     assert run(model, ids, mask, output_attentions=False).attentions is None  # the call overrides the config
 
 
 def test_in_place_edits_of_the_settings_take_effect():
-    model = bert_cluster.convert(tiny_model("bert"), clusters=3, topk=2)
+    model = bert_cluster.convert(tiny_model("bert"), clusters=3, topk=2, min_length=0)
     ids, mask, _ = padded_batch(model)
     first = run(model, ids, mask).last_hidden_state
     model.config.clustered_attention["clusters"] = 6  # ignored before (settings cached by the dict's id)
     edited = run(model, ids, mask).last_hidden_state
-    fresh = run(bert_cluster.convert(tiny_model("bert"), clusters=6, topk=2), ids, mask).last_hidden_state
+    fresh = run(bert_cluster.convert(tiny_model("bert"), clusters=6, topk=2, min_length=0), ids, mask).last_hidden_state
     assert not torch.equal(edited, first)
     assert torch.equal(edited, fresh)
     model.config.clustered_attention["clusters"] = 0
@@ -349,7 +349,7 @@ def test_convert_patches_only_the_model_converted_when_two_share_a_config():
     first, second = T.BertModel(config).eval(), T.BertModel(config).eval()
     ids, mask, _ = padded_batch(first)
     before = run(second, ids, mask).last_hidden_state
-    bert_cluster.convert(first, clusters=2, topk=2)
+    bert_cluster.convert(first, clusters=2, topk=2, min_length=0)
     assert first.config._attn_implementation == "bert_cluster"
     assert second.config._attn_implementation == "sdpa"
     assert not hasattr(config, "clustered_attention")
@@ -364,14 +364,14 @@ def test_convert_patches_only_the_model_converted_when_two_share_a_config():
 def test_half_precision_models_stay_finite(dtype):
     model = tiny_model("bert").to(dtype)
     ids, mask, _ = padded_batch(model)
-    bert_cluster.convert(model, clusters=4, topk=3)
+    bert_cluster.convert(model, clusters=4, topk=3, min_length=0)
     out = run(model, ids, mask).last_hidden_state
     assert out.dtype == dtype and torch.isfinite(out).all()
 
 
 def test_sequence_classification_head_runs_in_training_mode():
     model = tiny_model("bert", head="cls").train()
-    bert_cluster.convert(model, clusters=3, topk=2)
+    bert_cluster.convert(model, clusters=3, topk=2, min_length=0)
     ids, mask, _ = padded_batch(model, lengths=(48, 37))
     out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
     out.loss.backward()  # the reference backend is differentiable
@@ -380,7 +380,7 @@ def test_sequence_classification_head_runs_in_training_mode():
 
 def test_torch_compile_traces_a_patched_model_without_graph_breaks():
     model = tiny_model("bert")
-    bert_cluster.convert(model, clusters=4, topk=3)
+    bert_cluster.convert(model, clusters=4, topk=3, min_length=0)
     ids, mask, _ = padded_batch(model)
     eager = run(model, ids, mask).last_hidden_state
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a break raises
@@ -414,7 +414,7 @@ def test_real_minilm_sentence_embeddings_stay_close(shared_dir, minilm_dir):
 
     plain_short = mean_pooled(model, tokenizer, sentences)
     plain_long = mean_pooled(model, tokenizer, paragraphs)
-    bert_cluster.convert(model, clusters=25, topk=32)
+    bert_cluster.convert(model, clusters=25, topk=32, min_length=0)
     short = mean_pooled(model, tokenizer, sentences)
     long = mean_pooled(model, tokenizer, paragraphs)
     bert_cluster.revert(model)
