@@ -80,8 +80,23 @@ ATTENTION_OPTIONS: dict[str, Any] = {
         typer.Option(
             "--min-length",
             parser=_int_or_word,
-            help=f"Rows shorter than this use exact attention (convert: {_DEFAULTS.min_length}; "
-            "evaluate: 0, every row approximated).",
+            help="Rows shorter than this use exact attention: an int, or auto (the measured crossover; "
+            "convert's default). evaluate: 0, every row approximated.",
+        ),
+    ],
+    "cluster_growth": Annotated[
+        float | None,
+        typer.Option(
+            "--cluster-growth",
+            help="Rows of n > 512 tokens use C * (n / 512) ** this clusters; 0 keeps C fixed "
+            f"(default {_DEFAULTS.cluster_growth}).",
+        ),
+    ],
+    "topk_growth": Annotated[
+        float | None,
+        typer.Option(
+            "--topk-growth",
+            help=f"The same for topk (default {_DEFAULTS.topk_growth}).",
         ),
     ],
     "layers": Annotated[
@@ -397,7 +412,13 @@ def convert(
 
     with user_errors():
         fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
-        settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
+        settings = {
+            "min_length": "auto",
+            **(attention or {}),
+            "clusters": clusters,
+            "mode": mode.value,
+            "seed": seed,
+        }
         config = ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
         saved = evaluation.convert_checkpoint(model, output, config, overwrite=overwrite)
     stdout.print(

@@ -392,7 +392,6 @@ def _sentence_transformer_models(model: Any) -> list[Any] | None:
 # --- the API -------------------------------------------------------------------------------------------
 
 
-
 def convert(
     model: Any,
     clusters: int = 25,

@@ -52,7 +52,9 @@ def test_every_family_is_exact_when_topk_covers_every_key(family):
     model = tiny_model(family)
     ids, mask, _ = padded_batch(model)
     reference = run(model, ids, mask).last_hidden_state
-    bert_cluster.convert(model, clusters=4, topk=64, min_length=0)  # k >= N: exact, so the whole model must match
+    bert_cluster.convert(
+        model, clusters=4, topk=64, min_length=0
+    )  # k >= N: exact, so the whole model must match
     assert model.config._attn_implementation == "bert_cluster"
     exact = run(model, ids, mask).last_hidden_state
     # measured: at most 3.5e-6 over the families (float32 summation order); hybrid families' local layers
@@ -98,7 +100,9 @@ def test_revert_restores_outputs_bit_for_bit(family):
     before = run(model, ids, mask).last_hidden_state
     original = model.config._attn_implementation
     bert_cluster.convert(model, clusters=3, topk=2, min_length=0)
-    bert_cluster.convert(model, clusters=5, topk=2, min_length=0)  # converting twice still reverts to the original
+    bert_cluster.convert(
+        model, clusters=5, topk=2, min_length=0
+    )  # converting twice still reverts to the original
     assert not torch.equal(run(model, ids, mask).last_hidden_state, before)
     bert_cluster.revert(model)
     assert model.config._attn_implementation == original
@@ -333,7 +337,9 @@ def test_in_place_edits_of_the_settings_take_effect():
     first = run(model, ids, mask).last_hidden_state
     model.config.clustered_attention["clusters"] = 6  # ignored before (settings cached by the dict's id)
     edited = run(model, ids, mask).last_hidden_state
-    fresh = run(bert_cluster.convert(tiny_model("bert"), clusters=6, topk=2, min_length=0), ids, mask).last_hidden_state
+    fresh = run(
+        bert_cluster.convert(tiny_model("bert"), clusters=6, topk=2, min_length=0), ids, mask
+    ).last_hidden_state
     assert not torch.equal(edited, first)
     assert torch.equal(edited, fresh)
     model.config.clustered_attention["clusters"] = 0
