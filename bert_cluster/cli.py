@@ -107,18 +107,24 @@ ATTENTION_OPTIONS: dict[str, Any] = {
 }
 
 
-def attention_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give ``command`` one option per ``ATTENTION_OPTIONS`` entry; those given arrive as ``attention``."""
+def attention_options(command: Callable[..., None] | None = None, *, exclude: tuple[str, ...] = ()) -> Any:
+    """Give ``command`` one option per ``ATTENTION_OPTIONS`` entry; those given arrive as ``attention``.
+
+    ``@attention_options(exclude=("topk",))``: all but those (a command that takes them its own way).
+    """
+    if command is None:
+        return functools.partial(attention_options, exclude=exclude)
+    options = {name: annotation for name, annotation in ATTENTION_OPTIONS.items() if name not in exclude}
     signature = inspect.signature(command, eval_str=True)
     kept = [parameter for parameter in signature.parameters.values() if parameter.name != "attention"]
     added = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-        for name, annotation in ATTENTION_OPTIONS.items()
+        for name, annotation in options.items()
     ]
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
-        given = {name: kwargs.pop(name, None) for name in ATTENTION_OPTIONS}
+        given = {name: kwargs.pop(name, None) for name in options}
         settings = {
             name: getattr(value, "value", value) for name, value in given.items() if value is not None
         }
@@ -425,6 +431,196 @@ def convert(
         f"saved {saved} ({config.mode}, C={config.clusters}, topk={config.topk}, seed={config.seed})",
         highlight=False,
     )
+
+
+def _screen(text: str) -> int | str | None:
+    text = text.strip()
+    if text in ("auto", "off", "0"):
+        return {"auto": "auto", "off": None, "0": None}[text]
+    if not text.isdigit():
+        raise typer.BadParameter(f"give auto, off or a number of examples, got {text!r}")
+    return int(text)
+
+
+class CandidateLines:
+    """A reporter that also prints one line per tuning candidate (its verdict) on stderr."""
+
+    def __init__(self, inner: Any, console: Console) -> None:
+        self.inner, self.console = inner, console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def candidate(self, candidate: Any) -> None:
+        """A candidate is scored: ``label: changes, speedup: verdict``."""
+        changes = ", ".join(f"Δ {name} {change:+.2f}" for name, change in candidate.changes.items())
+        speed = "" if candidate.speedup is None else f", {candidate.speedup:.2f}×"
+        self.console.print(
+            f"{candidate.label}: {changes}{speed}: {candidate.status}", markup=False, highlight=False
+        )
+
+
+Cost = enum.Enum("Cost", {"speed": "speed", "attention": "attention"}, type=str)
+
+
+@app.command()
+@attention_options(exclude=("topk", "layers"))
+def tune(
+    model: Annotated[str, typer.Argument(help="Hub id, local folder or package:NAME.")],
+    task: Annotated[str, typer.Option("--task", "-t", help="The task to tune on (one; see `ls`).")],
+    budget: Annotated[
+        float,
+        typer.Option("--budget", help="Largest score drop allowed, in points of every judged metric."),
+    ] = 0.5,
+    clusters: Annotated[
+        str | None, typer.Option("--clusters", "-c", help="Cluster counts C to try (default 10,25,50,100).")
+    ] = None,
+    topk: Annotated[
+        str | None, typer.Option("--topk", help="Exact keys k to try (default 16,32,64).")
+    ] = None,
+    mode: Annotated[
+        list[Mode] | None, typer.Option("--mode", help="Modes to try; repeatable (default: every mode).")
+    ] = None,
+    layers: Annotated[
+        str,
+        typer.Option(
+            "--layers",
+            help="search: also try patching only the first or last layers; all: every layer; or 0,1,2.",
+        ),
+    ] = "search",
+    metric: Annotated[
+        list[str] | None,
+        typer.Option("--metric", help="Metric judged against the budget; repeatable (default: all)."),
+    ] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds (0..N-1) averaged per candidate.")] = 1,
+    cost: Annotated[
+        Cost,
+        typer.Option(
+            "--cost",
+            help="What cheapest means: speed = highest measured speedup over the unmodified model on the "
+            "slice (noisy on a busy machine); attention = lowest modeled attention work, per query "
+            "(C + k) / n averaged over layers (exact layers 1).",
+        ),
+    ] = Cost.speed,
+    screen: Annotated[
+        str,
+        typer.Option(
+            "--screen",
+            parser=_screen,
+            help="Score each candidate on the first N examples first and drop it when far out of budget: "
+            "auto (a quarter of a slice of >= 200), off, or N.",
+        ),
+    ] = "auto",
+    screen_margin: Annotated[
+        float,
+        typer.Option(
+            "--screen-margin",
+            help="Dropped on screening when more than budget + max(this, 300 / N) points down "
+            "(N: screening examples; 300 / N is three examples' worth).",
+        ),
+    ] = 2.0,
+    data_dir: Annotated[
+        list[Path] | None,
+        typer.Option("--data-dir", help="Folder with the task's files (searched one level down too)."),
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="The dev slice: the first N examples.")] = None,
+    max_length: Annotated[
+        int | None, typer.Option("--max-length", help="Truncation length (tokens).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Batch size.")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Folder for tune.json, tune.md, tune.png and clustered-attention.json."
+        ),
+    ] = None,
+    save_model: Annotated[
+        Path | None,
+        typer.Option("--save-model", help="Save the checkpoint converted with the chosen settings here."),
+    ] = None,
+    overwrite: OverwriteOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    attention: dict[str, Any] | None = None,
+) -> None:
+    """Find the cheapest settings (C, k, mode, layers) whose score stays within --budget of unmodified.
+
+    Cheapest: the highest measured speedup (--cost speed, the default) or the lowest modeled attention
+    work (--cost attention). The search assumes more clusters, more keys and fewer patched layers never
+    score worse: over C it stops at the first C that fails, going down.
+    """
+    from bert_cluster import evaluation
+    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.evaluation.parallel import is_main_process
+    from bert_cluster.evaluation.tuner import table_rows
+
+    quiet = quiet or not is_main_process()
+    reporter = None
+    if not (quiet or as_json):
+        inner = RichReporter(stderr) if stderr.is_terminal else LogReporter(stderr)
+        reporter = CandidateLines(inner, stderr)
+    with user_errors():
+        chosen_layers: Any = layers.strip()
+        if chosen_layers not in ("search", "all"):
+            try:
+                chosen_layers = _layers(chosen_layers)
+            except typer.BadParameter as error:
+                raise UserError(f"--layers: {error.message}; or search, or all") from None
+        result = evaluation.tune(
+            model,
+            task,
+            budget,
+            clusters=clusters,
+            topk=topk,
+            modes=[item.value for item in mode] if mode else None,
+            layers=chosen_layers,
+            metric=metric or None,
+            seeds=seeds,
+            cost=cost.value,
+            screen=screen,
+            screen_margin=screen_margin,
+            attention=attention,
+            data_dir=list(data_dir) if data_dir else None,
+            limit=limit,
+            batch_size=batch_size,
+            max_length=max_length,
+            device=device,
+            output=output,
+            save_model=save_model,
+            overwrite=overwrite,
+            reporter=reporter,
+        )
+    if not is_main_process():
+        return
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    header, rows = table_rows(result)
+    judged = ", ".join(display for _, display in result.metrics)
+    table = Table(
+        title=f"{result.task}: budget {result.budget:g} point(s) on {judged}, {result.examples} examples; "
+        f"cheapest by {'measured speedup' if result.cost == 'speed' else 'attention cost'}"
+    )
+    for index, name in enumerate(header):
+        table.add_column(name, justify="left" if 0 < index < 3 or index == len(header) - 1 else "right")
+    for row in rows:
+        table.add_row(*row)
+    stdout.print(table)
+    stdout.print(f"recommendation: {result.recommendation}", highlight=False, soft_wrap=True)
+    if not quiet:
+        for note in result.notes:
+            stdout.print(f"note: {note}", highlight=False, soft_wrap=True)
+        if output is not None:
+            saved = " and clustered-attention.json" if result.config is not None else ""
+            stdout.print(f"wrote {output}/tune.json, tune.md, tune.png{saved}", highlight=False)
+        if save_model is not None:
+            stdout.print(
+                f"saved {save_model}"
+                if result.config is not None
+                else "nothing saved: no candidate in budget",
+                highlight=False,
+            )
 
 
 @app.command()

@@ -4,7 +4,7 @@
 them into a ``RunPlan``, runs it (data-parallel under ``accelerate launch``), optionally writes
 results.json / results.md / scores.png, and returns the ``Results``. Called with no model it runs the
 embedded default, ``configs/eval/default.yaml``. ``TaskSession`` scores one configuration of one task
-at a time (scores and speed), for tools that search settings.
+at a time (scores and speed); ``tune`` uses it to find the cheapest settings within a score budget.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from bert_cluster.evaluation.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
+from bert_cluster.evaluation.tuner import Candidate, TuneResult, tune
 
 __all__ = [
     "EVALUATION_DEFAULTS",
+    "Candidate",
     "Results",
     "RunInterrupted",
     "RunResult",
     "TaskConfig",
     "TaskResult",
     "TaskSession",
+    "TuneResult",
     "UserError",
     "convert_checkpoint",
     "default_run",
@@ -37,6 +40,7 @@ __all__ = [
     "get_tasks",
     "load_tasks",
     "run",
+    "tune",
 ]
 
 #: Where the evaluator's attention settings differ from ``convert``'s: it approximates every row longer
