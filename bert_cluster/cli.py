@@ -455,6 +455,8 @@ class CandidateLines:
         """A candidate is scored: ``label: changes, speedup: verdict``."""
         changes = ", ".join(f"Δ {name} {change:+.2f}" for name, change in candidate.changes.items())
         speed = "" if candidate.speedup is None else f", {candidate.speedup:.2f}×"
+        if candidate.screen is not None and candidate.speedup is None:
+            speed = " on the screening examples"
         self.console.print(
             f"{candidate.label}: {changes}{speed}: {candidate.status}", markup=False, highlight=False
         )
@@ -567,30 +569,36 @@ def tune(
                 chosen_layers = _layers(chosen_layers)
             except typer.BadParameter as error:
                 raise UserError(f"--layers: {error.message}; or search, or all") from None
-        result = evaluation.tune(
-            model,
-            task,
-            budget,
-            clusters=clusters,
-            topk=topk,
-            modes=[item.value for item in mode] if mode else None,
-            layers=chosen_layers,
-            metric=metric or None,
-            seeds=seeds,
-            cost=cost.value,
-            screen=screen,
-            screen_margin=screen_margin,
-            attention=attention,
-            data_dir=list(data_dir) if data_dir else None,
-            limit=limit,
-            batch_size=batch_size,
-            max_length=max_length,
-            device=device,
-            output=output,
-            save_model=save_model,
-            overwrite=overwrite,
-            reporter=reporter,
-        )
+        try:
+            result = evaluation.tune(
+                model,
+                task,
+                budget,
+                clusters=clusters,
+                topk=topk,
+                modes=[item.value for item in mode] if mode else None,
+                layers=chosen_layers,
+                metric=metric or None,
+                seeds=seeds,
+                cost=cost.value,
+                screen=screen,
+                screen_margin=screen_margin,
+                attention=attention,
+                data_dir=list(data_dir) if data_dir else None,
+                limit=limit,
+                batch_size=batch_size,
+                max_length=max_length,
+                device=device,
+                output=output,
+                save_model=save_model,
+                overwrite=overwrite,
+                reporter=reporter,
+            )
+        except evaluation.TuneInterrupted as interrupted:
+            where = f"partial results in {interrupted.written}" if interrupted.written else "nothing written"
+            done = len(interrupted.result.candidates)
+            stderr.print(f"interrupted: {done} candidate(s) scored; {where}", markup=False, highlight=False)
+            raise typer.Exit(130) from None
     if not is_main_process():
         return
     if as_json:

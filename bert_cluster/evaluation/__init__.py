@@ -21,7 +21,7 @@ from bert_cluster.evaluation.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
-from bert_cluster.evaluation.tuner import Candidate, TuneResult, tune
+from bert_cluster.evaluation.tuner import Candidate, TuneInterrupted, TuneResult, tune
 
 __all__ = [
     "EVALUATION_DEFAULTS",
@@ -32,6 +32,7 @@ __all__ = [
     "TaskConfig",
     "TaskResult",
     "TaskSession",
+    "TuneInterrupted",
     "TuneResult",
     "UserError",
     "convert_checkpoint",

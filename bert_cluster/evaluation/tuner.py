@@ -70,6 +70,7 @@ class Candidate:
     cost: float
     runs: list[RunResult] = dataclasses.field(default_factory=list)
     screen: RunResult | None = None
+    uses_topk: bool = True  # False for a mode whose output does not depend on k
 
     @property
     def ok(self) -> bool:
@@ -88,8 +89,9 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """``i-clustered C=25 k=32 layers=all``."""
-        return f"{self.config.mode} C={self.config.clusters} k={self.config.topk} layers={self.layers_label}"
+        """``i-clustered C=25 k=32 layers=all`` (``clustered C=25 layers=all``: no k)."""
+        topk = f" k={self.config.topk}" if self.uses_topk else ""
+        return f"{self.config.mode} C={self.config.clusters}{topk} layers={self.layers_label}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (tune.json)."""
@@ -174,6 +176,14 @@ class TuneResult:
             "settings": self.settings,
             "environment": self.environment,
         }
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the search: carries the result over the candidates scored so far (written first)."""
+
+    def __init__(self, result: TuneResult, written: Path | None) -> None:
+        super().__init__("interrupted")
+        self.result, self.written = result, written
 
 
 def attention_cost(
@@ -282,19 +292,22 @@ class _Search:
         """Score ``config`` (screening first, when on) and record the verdict; a repeat is not rescored."""
         if config in self._seen:
             return self._seen[config]
-        cost = attention_cost(config, self.layer_numbers, self.length, self.topk_modes[config.mode])
+        topk = self.topk_modes[config.mode]
+        cost = attention_cost(config, self.layer_numbers, self.length, topk)
         screened = None
         if self.screen_session is not None:
             screened = self.screen_session.score(config)
             early = self.changes([screened], self.screen_session.unmodified)
             if not self.within(early, self.margin):
-                return self._record(Candidate(config, stage, "screened out", early, None, cost, [], screened))
+                return self._record(
+                    Candidate(config, stage, "screened out", early, None, cost, [], screened, topk)
+                )
         runs = [self.session.score(config.replace(seed=seed)) for seed in self.seeds]
         changes = self.changes(runs, self.session.unmodified)
         speedups = [run.speedup for run in runs if run.speedup is not None]
         status = "in budget" if self.within(changes) else "over budget"
         speedup = statistics.fmean(speedups) if speedups else None
-        return self._record(Candidate(config, stage, status, changes, speedup, cost, runs, screened))
+        return self._record(Candidate(config, stage, status, changes, speedup, cost, runs, screened, topk))
 
     def _record(self, candidate: Candidate) -> Candidate:
         self._seen[candidate.config] = candidate
@@ -481,6 +494,8 @@ def tune(
     workers = Workers(device)
     reporter = reporter if reporter is not None and workers.is_main else runner.SilentReporter()
     options = {"data_dirs": folders, "batch_size": batch_size, "max_length": max_length, "device": device}
+    notes: list[str] = []
+    interrupted = False
     reporter.start(1)
     try:
         session = runner.TaskSession(
@@ -493,9 +508,13 @@ def tune(
             screen_count = screen or None
         if screen_count is not None and screen_count >= count:
             screen_count = None  # screening on the whole slice would only score it twice
-        grid_size = len(grid_clusters) * len(grid_topk) * len(chosen_modes)
+        numbers = _layer_numbers(session.loaded.target)
+        # at most: every grid point and a binary search of prefix and suffix per mode, each screened
+        per_mode = len(grid_clusters) * len(grid_topk) + 2 * math.ceil(math.log2(max(len(numbers or ()), 2)))
+        passes = len(seed_list) + (screen_count is not None)
         reporter.task(
-            f"{task_config.name} (tuning)", 1 + (screen_count is not None) + grid_size * len(seed_list)
+            f"{task_config.name} (tuning, at most)",
+            1 + (screen_count is not None) + per_mode * len(chosen_modes) * passes,
         )
         unmodified = session.score(None)
         timing = session.workers.combined_timing()
@@ -506,8 +525,6 @@ def tune(
                 task_config, model_path, limit=screen_count, workers=workers, reporter=reporter, **options
             )
             screen_session.score(None)
-        notes: list[str] = []
-        numbers = _layer_numbers(session.loaded.target)
         if numbers is None:
             numbers = list(fixed_layers or ())
             if layers == "search":
@@ -525,10 +542,14 @@ def tune(
             topk_modes,
             getattr(reporter, "candidate", lambda candidate: None),
         )
-        for mode in chosen_modes:
-            search.grid(base, mode, grid_clusters, grid_topk)
-            if layers == "search" and numbers:
-                search.layers(mode)
+        try:
+            for mode in chosen_modes:
+                search.grid(base, mode, grid_clusters, grid_topk)
+                if layers == "search" and numbers:
+                    search.layers(mode)
+        except KeyboardInterrupt:
+            interrupted = True
+            notes.append(f"interrupted (Ctrl-C) after {len(search.candidates)} candidate(s)")
     finally:
         reporter.finish()
     chosen = _cheapest([c for c in search.candidates if c.ok], cost)
@@ -569,6 +590,9 @@ def tune(
         notes=notes,
     )
     result.wall_time_s = time.perf_counter() - began
+    if interrupted:
+        written = write(result, output)["tune.json"] if output is not None and workers.is_main else None
+        raise TuneInterrupted(result, written)
     if workers.is_main:
         if output is not None:
             write(result, output)
@@ -701,8 +725,10 @@ def plot(result: TuneResult, path: Path) -> Path | None:
                     label=f"{mode}" + ("" if stage == "grid" else " (some layers)"),
                 )
                 for c in points:
-                    text = f"C={c.config.clusters} k={c.config.topk}" + (
-                        "" if c.config.layers is None else f" L{c.layers_label}"
+                    text = (
+                        f"C={c.config.clusters}"
+                        + (f" k={c.config.topk}" if c.uses_topk else "")
+                        + ("" if c.config.layers is None else f" L{c.layers_label}")
                     )
                     axes.annotate(
                         text,

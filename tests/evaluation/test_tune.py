@@ -296,3 +296,21 @@ def test_screening_slack_is_at_least_three_examples_worth():
     assert tuner_module.screen_slack(2.0, 69) == pytest.approx(300 / 69)  # 4.35: 1 example = 1.45 points
     assert tuner_module.screen_slack(2.0, 1000) == 2.0
     assert tuner_module.screen_slack(2.0, None) == 2.0
+
+
+def test_ctrl_c_keeps_the_candidates_scored_so_far(scripted, tmp_path, monkeypatch):
+    from bert_cluster.evaluation import TuneInterrupted
+
+    original = ScriptedSession.score
+
+    def score(self, config):
+        if len(self.calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, config)
+
+    monkeypatch.setattr(ScriptedSession, "score", score)
+    with pytest.raises(TuneInterrupted) as caught:
+        scripted_tune(tmp_path, budget=6.0, modes="i-clustered", layers="all", output=tmp_path / "out")
+    assert len(caught.value.result.candidates) == 2 and "interrupted" in caught.value.result.notes[0]
+    written = json.loads(caught.value.written.read_text())
+    assert len(written["candidates"]) == 2 and written["chosen"] is not None
