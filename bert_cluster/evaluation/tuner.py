@@ -634,9 +634,12 @@ def table_rows(result: TuneResult) -> tuple[list[str], list[list[str]]]:
     rows = [
         [
             "",
-            "unmodified",
+            "unmodified: "
+            + ", ".join(
+                f"{display} {result.unmodified.scores[name]:.2f}" for name, display in result.metrics
+            ),
             "-",
-            *[f"{result.unmodified.scores[name]:.2f}" for name, _ in result.metrics],
+            *["0.00" for _ in result.metrics],
             "1.00×",
             "1.00",
             "reference",
