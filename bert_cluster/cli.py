@@ -499,11 +499,11 @@ def tune(
         Cost,
         typer.Option(
             "--cost",
-            help="What cheapest means: speed = highest measured speedup over the unmodified model on the "
-            "slice (noisy on a busy machine); attention = lowest modeled attention work, per query "
-            "(C + k) / n averaged over layers (exact layers 1).",
+            help="What cheapest means: attention = lowest modeled attention work, per query (C + k) / n "
+            "averaged over layers, exact layers 1 (n: the slice's mean row length; the same on any "
+            "machine); speed = highest speedup measured on the slice (noisy on a busy machine).",
         ),
-    ] = Cost.speed,
+    ] = Cost.attention,
     screen: Annotated[
         str,
         typer.Option(
@@ -548,9 +548,10 @@ def tune(
 ) -> None:
     """Find the cheapest settings (C, k, mode, layers) whose score stays within --budget of unmodified.
 
-    Cheapest: the highest measured speedup (--cost speed, the default) or the lowest modeled attention
-    work (--cost attention). The search assumes more clusters, more keys and fewer patched layers never
-    score worse: over C it stops at the first C that fails, going down.
+    Cheapest: the lowest modeled attention work (--cost attention, the default: per query (C + k) / n,
+    averaged over layers) or the highest measured speedup (--cost speed). The search assumes more
+    clusters, more keys and fewer patched layers never score worse: over C it stops at the first C
+    that fails, going down.
     """
     from bert_cluster import evaluation
     from bert_cluster.evaluation.errors import UserError

@@ -10,12 +10,13 @@ dominated), binary-searches how many layers, counted from the first or from the 
 candidate nearest to the budget can patch, and can screen each candidate on the slice's first examples
 first, dropping those far out of budget before the full slice.
 
-Cheapest means, by default, the highest speedup measured on the slice (the unmodified model's wall time
-over the candidate's, the same batches after a warm-up batch, as ``evaluate`` reports it); with
-``cost="attention"`` it is the attention cost model ``attention_cost``: per query, C + k key dot
-products in a patched layer against n in an exact one (n: the slice's mean row length), averaged
-over the layers, which ignores hashing and K-means and everything outside attention but does not vary
-with machine load.
+Cheapest means, by default (``cost="attention"``), the lowest value of the attention cost model
+``attention_cost``: per query, C + k key dot products in a patched layer against n in an exact one (n:
+the slice's mean row length), averaged over the layers. It ignores hashing, K-means and everything
+outside attention, but it gives the same choice on every machine and under any load. With
+``cost="speed"`` it is the highest speedup measured on the slice (the unmodified model's wall time over
+the candidate's, the same batches after a warm-up batch, as ``evaluate`` reports it): the truth on a
+quiet machine, noise on a busy one. Both are reported for every candidate.
 """
 
 from __future__ import annotations
@@ -342,6 +343,7 @@ class _Search:
         failed = [c for c in self.candidates if c.config.mode == mode and c.stage == "grid" and not c.ok]
         if not failed or len(self.layer_numbers) < 2:
             return
+        failed = [c for c in failed if c.status == "over budget"] or failed  # full-slice changes first
         anchor = max(failed, key=lambda c: (min(c.changes.values()), -c.cost))
         count = len(self.layer_numbers)
         for pick in (lambda m: self.layer_numbers[:m], lambda m: self.layer_numbers[count - m :]):
@@ -384,7 +386,7 @@ def tune(
     layers: str | Sequence[int] = "search",
     metric: str | Sequence[str] | None = None,
     seeds: int | Sequence[int] = 1,
-    cost: str = "speed",
+    cost: str = "attention",
     screen: int | str | None = "auto",
     screen_margin: float = 2.0,
     attention: ClusteredAttentionConfig | Mapping[str, Any] | None = None,
@@ -411,8 +413,9 @@ def tune(
             grid point nearest the budget; ``"all"``: every layer always; or the layer indices to patch.
         metric: the metric(s) judged against the budget (default: every metric of the task).
         seeds: N (seeds 0..N-1) or the seeds; a candidate's change is the mean over them.
-        cost: what "cheapest" means: ``"speed"`` (default), the highest measured speedup, or
-            ``"attention"``, the lowest ``attention_cost`` (per query C + k keys against n, over layers).
+        cost: what "cheapest" means: ``"attention"`` (default), the lowest ``attention_cost`` (per query
+            C + k keys against n, averaged over layers; load-independent), or ``"speed"``, the highest
+            measured speedup.
         screen: score each candidate first on this many leading examples and drop it when it is more
             than ``budget`` + ``screen_slack`` points down there; ``"auto"``: a quarter of the slice
             when the slice has at least 200 examples; 0 or None: no screening.
@@ -553,8 +556,10 @@ def tune(
     finally:
         reporter.finish()
     chosen = _cheapest([c for c in search.candidates if c.ok], cost)
-    if chosen is not None and chosen.speedup is not None and chosen.speedup < 1.0 and cost == "speed":
-        notes.append("every candidate within budget is slower than the unmodified model here")
+    if chosen is not None and chosen.cost >= 1.0:
+        notes.append("the chosen settings save no attention work at this length (C + k >= n)")
+    if chosen is not None and chosen.speedup is not None and chosen.speedup < 1.0:
+        notes.append("the chosen settings measured slower than the unmodified model here")
     settings = {
         "clusters": list(grid_clusters),
         "topk": list(grid_topk),
@@ -604,7 +609,7 @@ def tune(
 
 
 def _cheapest(passing: Sequence[Candidate], cost: str) -> Candidate | None:
-    """The cheapest of the candidates within budget: highest speedup (or lowest modeled cost) first."""
+    """The cheapest candidate within budget: lowest modeled cost (ties: smaller drop), or highest speedup."""
     if not passing:
         return None
 
@@ -613,7 +618,7 @@ def _cheapest(passing: Sequence[Candidate], cost: str) -> Candidate | None:
 
     if cost == "speed":
         return max(passing, key=lambda c: (speed(c), -c.cost))
-    return min(passing, key=lambda c: (c.cost, -speed(c)))
+    return min(passing, key=lambda c: (c.cost, -min(c.changes.values()), -speed(c)))
 
 
 # --- what is written ------------------------------------------------------------------------------------
