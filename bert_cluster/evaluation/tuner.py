@@ -104,6 +104,7 @@ class Candidate:
             "speedup": self.speedup,
             "cost": self.cost,
             "config": self.config.to_dict(),
+            "uses_topk": self.uses_topk,
             "runs": [dataclasses.asdict(run) for run in self.runs],
             "screen": None if self.screen is None else dataclasses.asdict(self.screen),
         }
@@ -153,6 +154,43 @@ class TuneResult:
                 "attention is cheap there), so for speed alone keep the unmodified model"
             )
         return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuneResult:
+        """Read a tune.json document back (``to_dict``'s inverse)."""
+        candidates = [
+            Candidate(
+                config=ClusteredAttentionConfig.from_dict(entry["config"]),
+                stage=entry["stage"],
+                status=entry["status"],
+                changes=dict(entry["changes"]),
+                speedup=entry["speedup"],
+                cost=entry["cost"],
+                runs=[RunResult(**run) for run in entry["runs"]],
+                screen=None if entry["screen"] is None else RunResult(**entry["screen"]),
+                uses_topk=entry.get("uses_topk", True),
+            )
+            for entry in data["candidates"]
+        ]
+        chosen = data.get("chosen")
+        return cls(
+            task=data["task"],
+            model=data["model"],
+            budget=data["budget"],
+            metrics=[(metric["name"], metric["display"]) for metric in data["metrics"]],
+            cost=data["cost"],
+            unmodified=RunResult(**data["unmodified"]),
+            candidates=candidates,
+            chosen=None if chosen is None else candidates[chosen],
+            examples=data["examples"],
+            screen_examples=data["screen_examples"],
+            mean_length=data["mean_length"],
+            settings=dict(data["settings"]),
+            environment=dict(data["environment"]),
+            started=data["started"],
+            wall_time_s=data.get("wall_time_s", 0.0),
+            notes=list(data.get("notes", [])),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The tune.json document."""
@@ -699,9 +737,11 @@ def markdown(result: TuneResult) -> str:
 
 
 def plot(result: TuneResult, path: Path) -> Path | None:
-    """tune.png: score change against speedup, one point per candidate scored in full, the chosen one ringed.
+    """tune.png: score change against measured speedup (left) and against modeled cost (right).
 
-    One panel per judged metric; the dashed line is the budget. None when no candidate has a speedup.
+    One point per candidate scored in full (filled: every layer patched; hollow: some layers), one
+    colour and marker per mode, the chosen one ringed in red; the dashed line is the budget. One row
+    per judged metric. None when no candidate was scored in full.
     """
     scored = [c for c in result.candidates if c.speedup is not None]
     if not scored:
@@ -713,55 +753,52 @@ def plot(result: TuneResult, path: Path) -> Path | None:
 
     from bert_cluster.evaluation.report import _atomic
 
-    figure, panels = plt.subplots(
-        1, len(result.metrics), figsize=(6.5 * len(result.metrics), 5), squeeze=False
-    )
+    rows = len(result.metrics)
+    figure, panels = plt.subplots(rows, 2, figsize=(13, 5 * rows), squeeze=False)
     modes = sorted({c.config.mode for c in scored})
     markers = {mode: "osD^vP*X"[index % 8] for index, mode in enumerate(modes)}
-    for axes, (name, display) in zip(panels[0], result.metrics, strict=True):
-        for mode in modes:
-            for stage, filled in (("grid", True), ("layers", False)):
-                points = [c for c in scored if c.config.mode == mode and c.stage == stage]
-                if not points:
-                    continue
-                axes.scatter(
-                    [c.speedup for c in points],
-                    [c.changes[name] for c in points],
-                    marker=markers[mode],
-                    facecolors=None if filled else "none",
-                    edgecolors="C0" if not filled else None,
-                    label=f"{mode}" + ("" if stage == "grid" else " (some layers)"),
-                )
-                for c in points:
-                    text = (
-                        f"C={c.config.clusters}"
-                        + (f" k={c.config.topk}" if c.uses_topk else "")
-                        + ("" if c.config.layers is None else f" L{c.layers_label}")
+    colors = {mode: f"C{index % 10}" for index, mode in enumerate(modes)}
+    axis_kinds = (
+        (lambda c: c.speedup, "measured speedup over unmodified (×)", 1.0),
+        (lambda c: c.cost, "modeled attention cost (exact = 1)", 1.0),
+    )
+    for row, (name, display) in zip(panels, result.metrics, strict=True):
+        for axes, (x_of, xlabel, reference) in zip(row, axis_kinds, strict=True):
+            for mode in modes:
+                for stage, filled in (("grid", True), ("layers", False)):
+                    points = [c for c in scored if c.config.mode == mode and c.stage == stage]
+                    if not points:
+                        continue
+                    axes.scatter(
+                        [x_of(c) for c in points],
+                        [c.changes[name] for c in points],
+                        marker=markers[mode],
+                        facecolors=colors[mode] if filled else "none",
+                        edgecolors=colors[mode],
+                        label=mode + ("" if filled else " (some layers)"),
                     )
-                    axes.annotate(
-                        text,
-                        (c.speedup, c.changes[name]),
-                        xytext=(3, 3),
-                        textcoords="offset points",
-                        fontsize="x-small",
-                    )
-        if result.chosen is not None and result.chosen.speedup is not None:
-            axes.scatter([result.chosen.speedup], [result.chosen.changes[name]], s=260, facecolors="none",
-                         edgecolors="red", linewidths=2, label="chosen")  # fmt: skip
-        axes.axhline(
-            -result.budget, color="red", linestyle="--", linewidth=1, label=f"budget (-{result.budget:g})"
-        )
-        axes.axhline(0.0, color="grey", linewidth=1)
-        axes.axvline(1.0, color="grey", linewidth=1, linestyle=":")
-        low, high = axes.get_ylim()
-        axes.set(ylim=(min(low, -result.budget - 0.5), max(high, 0.5)))
-        axes.set(
-            title=f"{result.task}: {display}",
-            xlabel="speedup over unmodified (×)",
-            ylabel="score change (points)",
-        )
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize="small", loc="best")
+                    for c in points:
+                        text = (
+                            f"C={c.config.clusters}"
+                            + (f" k={c.config.topk}" if c.uses_topk else "")
+                            + ("" if c.config.layers is None else f" L{c.layers_label}")
+                        )
+                        axes.annotate(text, (x_of(c), c.changes[name]), xytext=(3, 3),
+                                      textcoords="offset points", fontsize="x-small")  # fmt: skip
+            if result.chosen is not None and result.chosen.speedup is not None:
+                axes.scatter([x_of(result.chosen)], [result.chosen.changes[name]], s=260, facecolors="none",
+                             edgecolors="red", linewidths=2, label="chosen")  # fmt: skip
+            axes.axhline(-result.budget, color="red", linestyle="--", linewidth=1,
+                         label=f"budget (-{result.budget:g})")  # fmt: skip
+            axes.axhline(0.0, color="grey", linewidth=1)
+            axes.axvline(reference, color="grey", linewidth=1, linestyle=":")
+            low, high = axes.get_ylim()
+            axes.set(ylim=(min(low, -result.budget - 0.5), max(high, 0.5)))
+            axes.set(title=f"{result.task}: {display}", xlabel=xlabel, ylabel="score change (points)")
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize="small", loc="best")
+    cheapest = "modeled attention cost" if result.cost == "attention" else "measured speedup"
+    figure.suptitle(f"bert-cluster tune: budget {result.budget:g} point(s), cheapest by {cheapest}")
     figure.tight_layout()
     _atomic(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)

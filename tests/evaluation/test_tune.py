@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import bert_cluster
 from bert_cluster.cli import app
 from bert_cluster.config import MODES, ClusteredAttentionConfig
-from bert_cluster.evaluation import TaskSession, UserError, get_tasks, tune
+from bert_cluster.evaluation import TaskSession, TuneResult, UserError, get_tasks, tune
 from bert_cluster.evaluation import tuner as tuner_module
 from bert_cluster.evaluation.parallel import Timing
 from bert_cluster.evaluation.report import RunResult
@@ -180,6 +180,8 @@ def test_cost_model_choice_and_the_written_table(scripted, tmp_path):
     assert (tmp_path / "a" / "tune.png").stat().st_size > 0
     saved = json.loads((tmp_path / "a" / "clustered-attention.json").read_text())
     assert ClusteredAttentionConfig.from_dict(saved) == by_speed.config
+    again = TuneResult.from_dict(json.loads((tmp_path / "a" / "tune.json").read_text()))
+    assert again.to_dict() == by_speed.to_dict() and again.chosen.label == by_speed.chosen.label
 
 
 @pytest.mark.parametrize(
