@@ -9,7 +9,7 @@ from typing import Any
 #: Bumped whenever the meaning of a field changes, so old results.json files stay interpretable.
 CONFIG_VERSION = 1
 
-MODES = ("i-clustered", "clustered")
+MODES = ("i-clustered", "clustered", "i-clustered+")
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 MAX_BITS = 63  # a hash must fit in one int64
 

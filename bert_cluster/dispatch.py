@@ -25,6 +25,8 @@ STEPS = (
     "broadcast_clusters",
     "exact_attention",
     "banded_attention",
+    "lloyd_refine",  # i-clustered+ (w4-fidelity)
+    "refine_with_query_mass",  # i-clustered+ (w4-fidelity)
 )
 
 
@@ -77,6 +79,8 @@ class ReferenceBackend(Backend):
     broadcast_clusters = staticmethod(reference.broadcast_clusters)
     exact_attention = staticmethod(reference.exact_attention)
     banded_attention = staticmethod(reference.banded_attention)
+    lloyd_refine = staticmethod(reference.lloyd_refine)  # i-clustered+ (w4-fidelity)
+    refine_with_query_mass = staticmethod(reference.refine_with_query_mass)  # i-clustered+ (w4-fidelity)
 
 
 def _kernel_step(step: str) -> Callable:
@@ -113,6 +117,8 @@ class _KernelBackend(Backend):
     exact_attention = _kernel_step("exact_attention")
     # Until kernels/cpu and kernels/cuda implement the op, the kernel backends run the reference's band.
     banded_attention = staticmethod(reference.banded_attention)
+    lloyd_refine = _kernel_step("lloyd_refine")  # i-clustered+ (w4-fidelity)
+    refine_with_query_mass = _kernel_step("refine_with_query_mass")  # i-clustered+ (w4-fidelity)
 
 
 class CpuKernelBackend(_KernelBackend):

@@ -212,3 +212,90 @@ OPS = tuple(SCHEMAS)
 PENDING_KERNELS = frozenset({"banded_attention"})
 #: The ops ``_C`` must register for the kernels to count as loaded.
 KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# i-clustered+ (issue 13; w4-fidelity): Lloyd rounds on the real query vectors, and refinement with each
+# query's own top-k mass. Schemas, fakes, wrappers.
+
+SCHEMAS["lloyd_refine"] = (
+    "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.define("lloyd_refine" + SCHEMAS["lloyd_refine"])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::lloyd_refine")
+def _lloyd_refine_fake(queries, assignments, clusters, iterations):
+    rows, heads, n, dk = queries.shape
+    return (
+        queries.new_empty((rows, heads, n), dtype=torch.int64),
+        queries.new_empty((rows, heads, clusters, dk), dtype=torch.float32),
+        queries.new_empty((rows, heads, clusters), dtype=torch.float32),
+    )
+
+
+def lloyd_refine(
+    queries: torch.Tensor, assignments: torch.Tensor, clusters: int, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ``reference.lloyd_refine``: assignments ``(R, H, N)``, centroids ``(R, H, C, Dk)``, counts."""
+    _ensure_loaded()
+    return _ops.lloyd_refine.default(queries, assignments, clusters, iterations)
+
+
+SCHEMAS["refine_with_query_mass"] = (
+    "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
+    "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) "
+    "-> Tensor"
+)
+_LIB.define("refine_with_query_mass" + SCHEMAS["refine_with_query_mass"])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass")
+def _refine_with_query_mass_fake(
+    queries,
+    keys,
+    values,
+    valid,
+    assignments,
+    centroids,
+    centroid_values,
+    topk_indices,
+    topk_mass,
+    topk_values,
+    scaling,
+):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+def refine_with_query_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """See ``reference.refine_with_query_mass``: float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.refine_with_query_mass.default(
+        queries,
+        keys,
+        values,
+        valid,
+        assignments,
+        centroids,
+        centroid_values,
+        topk_indices,
+        topk_mass,
+        topk_values,
+        float(scaling),
+    )
+
+
+OPS = tuple(SCHEMAS)
+KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
