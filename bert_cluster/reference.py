@@ -348,25 +348,28 @@ def refine_with_query_mass(
     """``topk_refine`` with each query's own share of attention on its cluster's top-k keys.
 
     i-clustered gives every query of cluster j the centroid's mass ``m_j`` on the top-k keys ``T_j``; a
-    query that attends to them more (or less) sharply than its centroid gets too little (too much).
-    Here the split is estimated per query. With ``Z_T(x) = sum_{l in T_j} exp(x . K_l * s)`` (exact, from
-    the k dot products refinement computes anyway) and the partition function of the other keys taken to
-    first order around the centroid, ``Z_rest(q_i) ~ Z_rest(c_j) exp((q_i - c_j) . kbar_j * s)``, where
-    ``kbar_j`` is the mean of the row's valid keys outside ``T_j`` (a plain mean: measured as accurate as
-    the centroid-attention-weighted one, at O(N Dk) instead of O(C N Dk)), the odds of the rest are
+    query that attends to them more (or less) sharply than its centroid gets too little (too much). Here
+    the split is estimated per query. ``Z_T(x) = sum_{l in T_j} exp(s x . K_l)`` is exact (refinement
+    computes those k dot products anyway). For the other keys, ``Z_R(q_i) / Z_R(c_j)`` is taken as if they
+    were Gaussian with the mean ``mu_j`` and per-feature variance ``var_j`` of the row's valid keys outside
+    ``T_j`` (plain statistics, O(N Dk) per head): ``log Z_R(q) - log Z_R(c) = s (q - c) . mu_j +
+    s^2 / 2 * sum_d var_jd (q_d^2 - c_d^2)``. The odds of the other keys are then
 
-        ``log rho_i = log((1 - m_j) / m_j) + log Z_T(c_j) - log Z_T(q_i) + (q_i - c_j) . kbar_j * s``
+        ``log rho_i = log((1 - m_j) / m_j) + log Z_T(c_j) - log Z_T(q_i) + log Z_R(q_i) - log Z_R(c_j)``
 
-    and ``m_i = 1 / (1 + rho_i)``. Then ``V_hat_i = m_i * sum_{l in T_j} softmax_l(q_i . K_l * s) V_l
-    + (1 - m_i) * (Vc_j - Vtop_j) / (1 - m_j)``: the exact top-k part with the query's own mass, and the
-    centroid's attention over the other keys, normalised, with the rest. The centroid itself gets
-    ``m_j`` back (i-clustered); a cluster whose top-k holds every valid key gets ``m_i = 1`` (exact).
+    and ``m_i = 1 / (1 + rho_i)``: ``V_hat_i = m_i * sum_{l in T_j} softmax_l(s q_i . K_l) V_l
+    + (1 - m_i) * (Vc_j - Vtop_j) / (1 - m_j)``, the exact top-k part with the query's own mass and the
+    centroid's attention over the other keys, normalised, with the rest. A query equal to its centroid gets
+    ``m_j`` (i-clustered); a cluster whose top-k holds every valid key gets ``m_i = 1`` (exact), one with no
+    valid top-k key its centroid's row. (The second-order term matters: without it the estimate is worse
+    than ``m_j`` on random keys; with it, as good as the exact mass would be. Measured on MiniLM SQuAD
+    attention it cuts the relative error of the output in the last layer from 0.115 to 0.036.)
 
     Args:
         queries, keys, values, valid, assignments: as for ``topk_refine`` (``valid`` ``(R, N)``).
         centroids: float32 ``(R, H, C, Dk)``, the query centroids the top-k were chosen with.
         centroid_values, topk_indices, topk_mass, topk_values: from ``centroid_attention``.
-        scaling: the softmax temperature.
+        scaling: the softmax temperature ``s``.
 
     Returns:
         float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
@@ -379,12 +382,21 @@ def refine_with_query_mass(
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
     no_rest = rest_count <= 0
-    key_mean = (key_rows.sum(2, keepdim=True) - top_keys.sum(-2)) / rest_count.clamp(min=1)[..., None]
+    count = rest_count.clamp(min=1)[..., None].float()
+    key_mean = (key_rows.sum(2, keepdim=True) - top_keys.sum(-2)) / count
+    square_mean = (key_rows.pow(2).sum(2, keepdim=True) - top_keys.pow(2).sum(-2)) / count
+    key_var = (square_mean - key_mean.pow(2)).clamp(min=0)
     rest = 1.0 - topk_mass
     safe_rest = torch.where(no_rest | (rest <= 0), torch.ones_like(rest), rest)
     rest_mean = torch.where(no_rest[..., None], 0.0, (centroid_values - topk_values) / safe_rest[..., None])
     log_odds = torch.log(rest.clamp(min=0)) - torch.log(topk_mass.clamp(min=torch.finfo(torch.float32).tiny))
     log_odds = log_odds.masked_fill(no_rest, -math.inf)
+
+    def rest_logz(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        """log Z_R(x) up to a constant of the cluster: s x . mu + s^2 / 2 x^2 . var."""
+        return (x * (mean + 0.5 * scaling * var * x)).sum(-1) * scaling
+
+    centroid_rest = rest_logz(centroids, key_mean, key_var)  # (R, H, C)
 
     def per_query(tensor: torch.Tensor) -> torch.Tensor:  # (R, H, C, ...) -> (R, H, N, ...)
         shape = (*cluster.shape, *tensor.shape[3:])
@@ -392,11 +404,12 @@ def refine_with_query_mass(
         return tensor.gather(2, index)
 
     indices = per_query(topk_indices)  # (R, H, N, k)
-    scores = torch.einsum("rhnd,rhnkd->rhnk", queries.float(), _gather_rows(keys.float(), indices)) * scaling
+    q = queries.float()
+    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(keys.float(), indices)) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     query_logz = scores.logsumexp(-1)
-    shift = ((queries.float() - per_query(centroids)) * per_query(key_mean)).sum(-1) * scaling
-    odds = per_query(log_odds) + per_query(centroid_logz) - query_logz + shift  # log rho_i
+    query_rest = rest_logz(q, per_query(key_mean), per_query(key_var))
+    odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, _gather_rows(values.float(), indices))

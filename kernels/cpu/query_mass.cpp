@@ -1,9 +1,10 @@
 // refine_with_query_mass on the CPU (i-clustered+, issue 13): topk_refine with each query's own share of
 // attention on its cluster's top-k keys. See bert_cluster/reference.py (refine_with_query_mass) for the
 // formula; in short, for query i in cluster j with top-k keys T:
-//   log rho_i = log((1 - m_j) / m_j) + log Z_T(c_j) - log Z_T(q_i) + s (q_i - c_j) . kbar_j
+//   log rho_i = log((1 - m_j) / m_j) + log Z_T(c_j) - log Z_T(q_i) + R(q_i) - R(c_j)
+//   R(x)      = s x . mu_j + s^2 / 2 x^2 . var_j   (mu, var: mean and variance of the valid keys outside T)
 //   out_i     = m_i softmax_T(s q_i . K) V_T + (1 - m_i) (Vc_j - Vtop_j) / (1 - m_j),  m_i = 1 / (1 + rho_i)
-// kbar_j: the mean of the row's valid keys outside T. Softmax and accumulation in float32.
+// Softmax and accumulation in float32.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -31,10 +32,23 @@ struct Cluster {
   const float* vt;         // (kv, dvp): their values, zero-padded to dvp = round_up(dv)
   int64_t kv;              // valid top-k keys
   const float* key_mean;   // (dk): mean of the row's valid keys outside T
-  float centroid_dot;      // c_j . kbar_j
-  float log_base;          // log((1 - m_j) / m_j) + log Z_T(c_j), -inf when T holds every valid key
+  const float* half_var;   // (dk): s / 2 * their variance
+  float log_base;          // log((1 - m_j) / m_j) + log Z_T(c_j) - R(c_j), -inf when T holds every valid key
   const float* rest_mean;  // (dvp): (Vc - Vtop) / (1 - m_j), 0 when T holds every valid key
 };
+
+// R(x) = s x . (mu + s / 2 var x) = s x . mu + s^2 / 2 x^2 . var, with half_var = s / 2 var.
+BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
+                          int64_t dk, float scaling) {
+  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 16 <= dk; d += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[d + j] * (mean[d + j] + half_var[d + j] * x[d + j]);
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; d < dk; ++d) sum += x[d] * (mean[d] + half_var[d] * x[d]);
+  return scaling * sum;
+}
 
 // M queries of one cluster (rows q[m], outputs out[m]): scores over the top-k keys (each key vector loaded
 // once for the M queries), their log-sum-exp, the query's own mass, the weighted values plus the rest.
@@ -45,9 +59,10 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
   const float* __restrict kt = cluster.kt;
   const float* __restrict vt = cluster.vt;
   const float* __restrict key_mean = cluster.key_mean;
+  const float* __restrict half_var = cluster.half_var;
   const float* __restrict rest_mean = cluster.rest_mean;
   const int64_t kv = cluster.kv;
-  const float centroid_dot = cluster.centroid_dot, log_base = cluster.log_base;
+  const float log_base = cluster.log_base;
   const int64_t kp = round_up(kv), dvp = round_up(dv);
   for (int64_t c0 = 0; c0 < kp; c0 += 2 * kLanes) {
     const bool pair = c0 + kLanes < kp;
@@ -80,10 +95,9 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
     }
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    // rho_i = odds * e^-mx / sum with odds = exp(log_base + shift): Z_T(q_i) = sum e^mx. Then
-    // m_i / sum = 1 / (sum + odds e^-mx) scales the exps, and 1 - m_i = odds e^-mx / (sum + odds e^-mx).
-    const float shift = scaling * (dot(q[m], key_mean, dk) - centroid_dot);
-    const float other = std::exp(log_base + shift - mx);  // 0 when log_base = -inf: all mass on T
+    // rho_i = other / sum with other = exp(log_base + R(q_i) - mx), as Z_T(q_i) = sum e^mx. Then
+    // m_i / sum = 1 / (sum + other) scales the exps, and 1 - m_i = other / (sum + other).
+    const float other = std::exp(log_base + rest_logz(q[m], key_mean, half_var, dk, scaling) - mx);
     float coef;
     if (other < kInf) {
       coef = 1.f / (sum + other);
@@ -135,12 +149,18 @@ void refine_one(const float* const* q, float* const* out, const Cluster& c, int6
   refine_block<1>(q, out, c, dk, dv, scaling, scores, row);
 }
 
-// sum[0..dk) += x for each valid row of keys (n rows of dk).
+// sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows of dk).
 BC_MULTIVERSION
 void sum_valid_rows(const float* __restrict keys, const bool* __restrict valid, int64_t n, int64_t dk,
-                    float* __restrict sum) {
-  for (int64_t l = 0; l < n; ++l)
-    if (valid[l]) axpy(sum, keys + l * dk, 1.f, dk);
+                    float* __restrict sum, float* __restrict squares) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (!valid[l]) continue;
+    const float* x = keys + l * dk;
+    for (int64_t d = 0; d < dk; ++d) {
+      sum[d] += x[d];
+      squares[d] += x[d] * x[d];
+    }
+  }
 }
 
 }  // namespace
@@ -183,7 +203,7 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   const int64_t kp = round_up(k), dvp = round_up(dv);
   parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
     std::vector<float> kt(dk * kp), vt(k * dvp), scores(4 * kp), row(4 * dvp), rest_mean(dvp), key_sum(dk),
-        key_mean(dk), top_score(k);
+        square_sum(dk), key_mean(dk), half_var(dk), top_score(k);
     std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / heads;
@@ -191,7 +211,8 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
       int64_t valid_keys = 0;
       for (int64_t l = 0; l < n; ++l) valid_keys += okr[l] ? 1 : 0;
       std::fill(key_sum.begin(), key_sum.end(), 0.f);
-      sum_valid_rows(kp_ + rh * n * dk, okr, n, dk, key_sum.data());
+      std::fill(square_sum.begin(), square_sum.end(), 0.f);
+      sum_valid_rows(kp_ + rh * n * dk, okr, n, dk, key_sum.data(), square_sum.data());
       // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
       int64_t* st = start.data();
       std::fill(st, st + clusters + 1, 0);
@@ -229,11 +250,15 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
         std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
         std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
         std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
+        std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
         float top_max = -kInf;
         for (int64_t j = 0; j < kv; ++j) {
           const float* key = kp_ + (rh * n + slot[j]) * dk;
-          for (int64_t d = 0; d < dk; ++d) kt[d * kvp + j] = key[d];
-          axpy(key_mean.data(), key, -1.f, dk);
+          for (int64_t d = 0; d < dk; ++d) {
+            kt[d * kvp + j] = key[d];
+            key_mean[d] -= key[d];
+            half_var[d] -= key[d] * key[d];
+          }
           std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
           top_score[j] = scale * dot(centroid, key, dk);
           top_max = std::max(top_max, top_score[j]);
@@ -241,22 +266,26 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
         float top_sum = 0.f;
         for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
         const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
-        for (int64_t d = 0; d < dk; ++d) key_mean[d] /= rest_count;
+        for (int64_t d = 0; d < dk; ++d) {
+          key_mean[d] /= rest_count;
+          const float variance = half_var[d] / rest_count - key_mean[d] * key_mean[d];
+          half_var[d] = 0.5f * scale * (variance > 0.f ? variance : 0.f);
+        }
         std::fill(rest_mean.begin(), rest_mean.end(), 0.f);
         float log_base = -kInf;
         if (!no_rest) {
           const float divisor = rest > 0.f ? rest : 1.f;
           for (int64_t d = 0; d < dv; ++d) rest_mean[d] = (cvp[task * dv + d] - tvp[task * dv + d]) / divisor;
           const float log_odds = std::log(std::max(rest, 0.f)) - std::log(std::max(m, std::numeric_limits<float>::min()));
-          log_base = kv > 0 ? log_odds + top_max + std::log(top_sum) : kInf;
+          log_base = log_odds + top_max + std::log(top_sum) -
+                     rest_logz(centroid, key_mean.data(), half_var.data(), dk, scale);
         }
         float* orow = op + rh * n * dv;
         if (kv == 0) {  // no key to refine: the centroid's row
           for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
           continue;
         }
-        const Cluster cluster{kt.data(), vt.data(), kv, key_mean.data(), dot(centroid, key_mean.data(), dk), log_base,
-                              rest_mean.data()};
+        const Cluster cluster{kt.data(), vt.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
         const float* qh = qp + rh * n * dk;
         int64_t j = 0;
         for (; j + 4 <= members; j += 4) {

@@ -1,9 +1,11 @@
-"""i-clustered+ (issue 13): ``reference.lloyd_refine``, its CPU kernel, and the mode end to end.
+"""i-clustered+ (issue 13): its two steps (``lloyd_refine``, ``refine_with_query_mass``) in the reference
+and the CPU kernels, and the mode end to end.
 
-Kernel vs reference: the means of one partition are summed in query order on both sides (bit for bit);
-the dot products of the assignment are summed in different orders (a GEMM in the reference, a fused loop
-in the kernel), so a query within a few ulps of a tie may go either way. Exact agreement is therefore
-checked on inputs with a clear margin (blobs), and on random inputs every disagreement must be a near tie.
+lloyd_refine, kernel vs reference: the means of one partition are summed in query order on both sides (bit
+for bit); the dot products of the assignment are summed in different orders (a GEMM in the reference, a
+fused loop in the kernel), so a query within a few ulps of a tie may go either way. Exact agreement is
+therefore checked on inputs with a clear margin (blobs), and on random inputs every disagreement must be a
+near tie.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ TIE_RTOL = 1e-5
 END_ATOL = {"fp32": 2e-6, "fp16": 2e-3, "bf16": 1.6e-2}
 #: With k >= N i-clustered+ is exact attention. Measured max abs error vs exact_attention 3.6e-7 (fp32).
 EXACT_ATOL = 2e-6
+#: refine_with_query_mass, CPU kernel vs reference on the reference's own inputs (all computed in fp32).
+#: Measured max abs error 4.8e-7 on fp32, fp16 and bf16 inputs -> 4e-6 (as OP_ATOL in tests/ops).
+REFINE_ATOL = 4e-6
 
 
 def _cpu_or_skip() -> None:
@@ -256,9 +261,9 @@ def test_same_seed_same_output_and_rows_do_not_depend_on_the_batch(backend):
     first = clustered_attention(q, k, v, valid, config)
     assert torch.equal(first, clustered_attention(q, k, v, valid, config))
     alone = clustered_attention(q[1:, :, :150], k[1:, :, :150], v[1:, :, :150], None, config)
-    # The reference is bit for bit; the kernels' GEMMs block a batch differently from one row (as for
-    # i-clustered): measured max difference 1.2e-7 (i-clustered: 1.5e-7) -> 1e-6.
-    assert (first[1, :, :150] - alone[0]).abs().max().item() <= (0.0 if backend == "reference" else 1e-6)
+    # Batched products block a batch differently from one row (as for i-clustered): measured max
+    # difference 1.5e-8 (reference), 1.2e-7 (kernels; i-clustered: 1.5e-7) -> 1e-6.
+    assert (first[1, :, :150] - alone[0]).abs().max().item() <= 1e-6
     other_seed = clustered_attention(q, k, v, valid, config.replace(seed=12))
     assert not torch.equal(first, other_seed)
 
@@ -279,3 +284,118 @@ def test_lloyd_rounds_bring_the_output_closer_to_exact_attention():
 
     assert PLUS_LLOYD_ITERATIONS >= 1
     assert error("i-clustered+") < 0.9 * error("i-clustered")
+
+
+# ---------------------------------------------------------------------------------------------------
+# refine_with_query_mass
+
+
+def _pipeline_inputs(dtype=torch.float32, seed=0, n=180, clusters=12, topk=16):
+    """The inputs refine_with_query_mass gets inside i-clustered+, from the reference steps."""
+    q, k, v = _qkv(n=n, seed=seed, dtype=dtype)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, n - 40 :] = False
+    scaling = 1 / math.sqrt(q.shape[-1])
+    hashes = ref.hash_queries(q, torch.randn(63, q.shape[-1]), torch.randn(63))
+    assignments, _ = ref.hamming_kmeans(hashes, valid, clusters, 10, 63)
+    assignments, centroids, _ = ref.lloyd_refine(q, assignments, clusters, 2)
+    cv, ti, tm, tv = ref.centroid_attention(centroids, k, v, valid, topk, scaling)
+    return q, k, v, valid, assignments, centroids, cv, ti, tm, tv, scaling
+
+
+def test_a_query_equal_to_its_centroid_gets_the_centroid_mass():
+    # Clusters of identical queries: every query is its centroid, so its own mass is m_j and the output is
+    # i-clustered's. Measured max difference to topk_refine 2.4e-7 -> 2e-6.
+    g = torch.Generator().manual_seed(4)
+    distinct = torch.randn(1, 2, 6, 16, generator=g)
+    which = torch.randint(0, 6, (1, 2, 60), generator=g)
+    q = distinct.gather(2, which[..., None].expand(-1, -1, -1, 16))
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)
+    valid = torch.ones(1, 60, dtype=torch.bool)
+    centroids, _ = ref.group_queries(q, which, 6)
+    cv, ti, tm, tv = ref.centroid_attention(centroids, k, v, valid, 8, 0.25)
+    plus = ref.refine_with_query_mass(q, k, v, valid, which, centroids, cv, ti, tm, tv, 0.25)
+    paper = ref.topk_refine(q, k, v, which, cv, ti, tm, tv, 0.25)
+    assert (plus - paper).abs().max().item() <= 2e-6
+
+
+def _own_mass(q, k, valid, a, c, ti, tm, s):
+    """m_i as refine_with_query_mass estimates it: with values 1 on every key and Vc = Vtop (no rest part),
+    its output is m_i * 1 + (1 - m_i) * 0."""
+    ones = torch.ones(*k.shape[:-1], 1)
+    same = torch.ones(*tm.shape, 1)
+    return ref.refine_with_query_mass(q, k, ones, valid, a, c, same, ti, tm, same, s)[..., 0]
+
+
+def test_the_query_mass_tracks_the_exact_mass():
+    # The point of the step: each query's estimated share of attention on its cluster's top-k keys is
+    # closer to its exact share than the centroid's m_j is.
+    q, k, v, valid, a, c, cv, ti, tm, tv, s = _pipeline_inputs(seed=8)
+    n = q.shape[2]
+    top = ti.gather(2, a.clamp(min=0)[..., None].expand(-1, -1, -1, ti.shape[-1]))
+    in_top = torch.zeros(*a.shape, n, dtype=torch.bool).scatter_(-1, top.clamp(min=0), top >= 0)
+    scores = (q @ k.transpose(-1, -2) * s).masked_fill(~valid[:, None, None, :], -math.inf)
+    exact_mass = (torch.softmax(scores, -1) * in_top).sum(-1)
+    member = a >= 0
+    estimated = _own_mass(q, k, valid, a, c, ti, tm, s)
+    err_plus = (estimated - exact_mass)[member].abs().mean().item()
+    err_paper = (tm.gather(2, a.clamp(min=0)) - exact_mass)[member].abs().mean().item()
+    # Measured on this draw: mean |m - exact| 0.031 (per query) vs 0.058 (centroid's) -> require < 0.75x.
+    assert err_plus < 0.75 * err_paper, (err_plus, err_paper)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_refine_kernel_matches_the_reference(dtype):
+    _cpu_or_skip()
+    from bert_cluster import ops
+
+    args = _pipeline_inputs(DTYPES[dtype], seed=2)
+    expected = ref.refine_with_query_mass(*args)
+    got = ops.refine_with_query_mass(*args)
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max().item() <= REFINE_ATOL
+    padded = args[4] < 0
+    assert bool((got[padded] == 0).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_cluster_without_top_keys_gets_the_centroid_row(backend):
+    if backend == "cpu":
+        _cpu_or_skip()
+    q, k, v, valid, a, c, cv, ti, tm, tv, s = _pipeline_inputs(seed=3)
+    ti = ti.clone()
+    ti[:, :, 0] = -1  # cluster 0 recomputes no key: m = 0, the output is its centroid row Vc
+    tm, tv = tm.clone(), tv.clone()
+    tm[:, :, 0] = 0.0
+    tv[:, :, 0] = 0.0
+    step = ref.refine_with_query_mass if backend == "reference" else _ops().refine_with_query_mass
+    out = step(q, k, v, valid, a, c, cv, ti, tm, tv, s)
+    members = a == 0
+    expected = cv[:, :, 0][:, :, None, :].expand_as(out)[members]
+    assert members.any()
+    assert (out[members] - expected).abs().max().item() <= 1e-6
+
+
+def _ops():
+    from bert_cluster import ops
+
+    return ops
+
+
+def test_refine_opcheck():
+    _cpu_or_skip()
+    args = _pipeline_inputs(n=40, clusters=5, topk=6)
+    _ops()._ensure_loaded()
+    torch.library.opcheck(torch.ops.bert_cluster.refine_with_query_mass.default, args)
+
+
+def test_the_refine_kernel_refuses_bad_arguments():
+    _cpu_or_skip()
+    q, k, v, valid, a, c, cv, ti, tm, tv, s = _pipeline_inputs(n=40, clusters=5, topk=6)
+    step = _ops().refine_with_query_mass
+    with pytest.raises(ValueError, match="centroids must be"):
+        step(q, k, v, valid, a, c[:, :, :4], cv, ti, tm, tv, s)
+    with pytest.raises(ValueError, match="valid must have shape"):
+        step(q, k, v, valid[:, :30], a, c, cv, ti, tm, tv, s)
+    with pytest.raises(ValueError, match="topk_indices must be -1 or in"):
+        step(q, k, v, valid, a, c, cv, ti + 1000, tm, tv, s)
