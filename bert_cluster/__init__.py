@@ -24,6 +24,7 @@ __all__ = [
     "convert",
     "evaluate",
     "info",
+    "inspect_model",
     "revert",
 ]
 
@@ -45,9 +46,16 @@ def revert(model: Any) -> Any:
     return _revert(model)
 
 
+def inspect_model(model: Any, inputs: Any, tokenizer: Any = None, config: Any = None, **settings: Any) -> Any:
+    """Per layer and head error of clustered against exact attention; see ``bert_cluster.inspect``."""
+    from bert_cluster.inspect import inspect_model as _inspect_model
+
+    return _inspect_model(model, inputs, tokenizer, config, **settings)
+
+
 def info() -> dict[str, Any]:
     """Versions, kernel build status and each backend's availability (what ``bert-cluster env`` prints)."""
-    from bert_cluster._loader import build_info
+    from bert_cluster._build import build_info
 
     return build_info()
 

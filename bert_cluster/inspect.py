@@ -188,27 +188,29 @@ def cluster_steps(
     value: torch.Tensor,
     valid: torch.Tensor,
     config: ClusteredAttentionConfig,
+    clusters: int,
+    topk: int,
     scaling: float,
     layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The partition and top-k keys of rows that are all clustered, as ``attention._clustered`` makes them.
 
     Returns assignments ``(R, H, N)``, cluster sizes ``(R, H, C)`` and top-k indices ``(R, H, C, k)`` for
-    ``config.mode`` (rows longer than C only).
-
+    ``config.mode``, with the row settings ``clusters`` and ``topk`` (``config.row_settings``).
     ``tests/test_inspect.py`` checks that refining with them reproduces ``clustered_attention``.
     """
     planes, offsets = attention.hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
     hashes = backend.hash_queries(query, planes, offsets)
-    assignments, _ = backend.hamming_kmeans(hashes, valid, config.clusters, config.iterations, config.bits)
+    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
     if config.mode == "i-clustered+":
         assignments, centroids, counts = backend.lloyd_refine(
-            query, assignments, config.clusters, attention.PLUS_LLOYD_ITERATIONS
+            query, assignments, clusters, attention.PLUS_LLOYD_ITERATIONS
         )
     else:
-        centroids, counts = backend.group_queries(query, assignments, config.clusters)
-    topk = 0 if config.mode == "clustered" else config.topk
-    _, indices, _, _ = backend.centroid_attention(centroids, key, value, valid, topk, scaling)
+        centroids, counts = backend.group_queries(query, assignments, clusters)
+    _, indices, _, _ = backend.centroid_attention(
+        centroids, key, value, valid, 0 if config.mode == "clustered" else topk, scaling
+    )
     return assignments, counts, indices
 
 
@@ -255,25 +257,31 @@ def inspect_layer(
     config: ClusteredAttentionConfig,
     scaling: float,
 ) -> None:
-    """Add one layer's numbers for one batch ``(R, H, N, D)`` to ``totals``."""
-    from bert_cluster import dispatch
+    """Add one layer's numbers for one batch ``(R, H, N, D)`` to ``totals``.
 
+    Rows are routed as ``clustered_attention`` routes them (its plan: short rows exact, the others with
+    their row settings of C and k).
+    """
     approximate = attention.clustered_attention(
         query, key, value, valid, config, scaling=scaling, layer=layer
     )
+    plan = attention._plan(query, key, value, valid, config, scaling)
     lengths = valid.sum(-1)
-    clustered = ~((lengths <= config.clusters) | (lengths < config.min_length))
     rows, heads, n, _ = query.shape
-    backend = dispatch.select_backend(config.backend, query, key, value)
-    steps = None
-    if bool(clustered.any()):
-        picked = clustered.nonzero().squeeze(-1)
-        steps = (
-            picked,
-            *cluster_steps(
-                backend, query[picked], key[picked], value[picked], valid[picked], config, scaling, layer
-            ),
+    steps: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for members, clusters, topk in plan.groups:
+        index = plan.index(members)
+        found = cluster_steps(
+            plan.backend,
+            *(t.index_select(0, index) for t in (query, key, value, valid)),
+            config,
+            clusters,
+            topk,
+            scaling,
+            layer,
         )
+        for local, row in enumerate(members):
+            steps[row] = tuple(part[local] for part in found)  # type: ignore[assignment]
     for row in range(rows):
         m = int(lengths[row])
         keep = valid[row]
@@ -286,9 +294,8 @@ def inspect_layer(
         position[keep] = torch.arange(m, device=query.device)  # key index -> column among valid keys
         for head in range(heads):
             values: dict[str, float] = {"error": error[head], "norm": norm[head]}
-            if steps is not None and bool(clustered[row]):
-                local = int((steps[0] == row).nonzero()[0, 0])
-                assign, counts, indices = (s[local, head] for s in steps[1:])
+            if row in steps:
+                assign, counts, indices = (part[head] for part in steps[row])
                 members = counts[counts > 0]
                 values.update(
                     clustered=1.0,
@@ -325,19 +332,26 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
     from bert_cluster import hf
 
     recorder = _ACTIVE[-1]
-    batch, _, length, head_dim = query.shape
-    valid = hf._valid_from_mask(attention_mask, batch, key.shape[-2])
-    layer = recorder.layer_of.get(id(module), len(recorder.captured))
-    if kwargs.get("sliding_window") is not None or key.shape[-2] != length:
+    batch, heads, length, head_dim = query.shape
+    window = kwargs.get("sliding_window")
+    half_window = None if window is None else int(window) - 1
+    layer = recorder.layer_of[id(module)]
+    if window is not None or key.shape[-2] != length:
         recorder.skipped.add(layer)  # a band or cross-attention layer: not clustered by convert
     else:
+        valid = hf._valid_from_mask(attention_mask, batch, length)
         if valid is None:
             valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
+        k, v = key, value
+        if k.shape[1] != heads:  # grouped-query attention, as convert's glue expands it
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
         scale = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
-        recorder.captured.append((layer, query.detach(), key.detach(), value.detach(), valid, scale))
-    sdpa, _ = hf._original_forward(module, "sdpa")
-    mask = None if valid is None else valid[:, None, None, :]
-    return sdpa(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)
+        recorder.captured.append((layer, query.detach(), k.detach(), v.detach(), valid, scale))
+    return hf._original_attention(
+        module, "sdpa", query, key, value, attention_mask, half_window,
+        {**kwargs, "scaling": scaling, "dropout": 0.0},
+    )  # fmt: skip
 
 
 def _register_capture() -> None:
@@ -428,7 +442,8 @@ def inspect_model(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     encoded = _encode(tokenizer, inputs, max_length)
     device = next(model.parameters()).device
-    layer_of = {id(module): index for index, module in enumerate(hf._attention_modules(model))}
+    # The layer indices convert gives (the same hash planes as the converted model).
+    layer_of = {key: index for key, (_, index) in hf._layer_indices(model).items()}
     _register_capture()
     previous = model.config._attn_implementation
     totals, sequences, tokens, skipped = _Totals(), 0, 0, set()

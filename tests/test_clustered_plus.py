@@ -399,3 +399,18 @@ def test_the_refine_kernel_refuses_bad_arguments():
         step(q, k, v, valid[:, :30], a, c, cv, ti, tm, tv, s)
     with pytest.raises(ValueError, match="topk_indices must be -1 or in"):
         step(q, k, v, valid, a, c, cv, ti + 1000, tm, tv, s)
+
+
+def test_the_new_steps_are_cpu_kernels_and_reference_steps_on_cuda():
+    """Compiled for the CPU only: not in ops.OPS (which every device must implement); CUDA runs the
+    reference's tensor ops for them, and the CPU backend counts as available only with them."""
+    from bert_cluster import _loader, ops
+
+    assert set(ops.CPU_ONLY_OPS) == {"lloyd_refine", "refine_with_query_mass"}
+    assert not set(ops.CPU_ONLY_OPS) & set(ops.OPS)
+    assert dispatch.CudaKernelBackend.lloyd_refine is ref.lloyd_refine
+    assert dispatch.CudaKernelBackend.refine_with_query_mass is ref.refine_with_query_mass
+    _cpu_or_skip()
+    assert all(_loader.has_kernel(op, "CPU") for op in ops.CPU_ONLY_OPS)
+    assert set(ops.CPU_ONLY_OPS) <= set(ops.KERNEL_OPS + ops.CPU_ONLY_OPS)
+    assert ops.missing_kernels("CPU") == []
