@@ -595,10 +595,14 @@ def inspect_command(
         print(json.dumps({**report.to_dict(), "suggested_layers": list(suggested), "max_error": max_error}))
     else:
         stdout.print(_inspection_table(report, per_head))
+        advice = (
+            f"{', '.join(map(str, suggested))} (convert(..., layers={list(suggested)}))"
+            if suggested
+            else "none (raise C or k, or --max-error)"
+        )
         stdout.print(
             f"{report.sequences} sequences, {report.tokens} tokens. Layers with mean relative error <= "
-            f"{max_error:g}: {', '.join(map(str, suggested)) or 'none'} "
-            f"(convert(..., layers={list(suggested)}))",
+            f"{max_error:g}: {advice}",
             highlight=False,
         )
     if output is not None:

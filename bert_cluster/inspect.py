@@ -492,7 +492,7 @@ def load_task_texts(
 
     (config,) = get_tasks(task)
     folders = [data_dir] if isinstance(data_dir, (str, Path)) else data_dir
-    rows = load_rows(config, list(folders) if folders else None, limit).rows
+    rows = load_rows(config, list(folders) if folders else None).rows[:limit]
     fields = list(config.text_fields)
     if len(fields) == 1:
         return [str(row[fields[0]]) for row in rows]

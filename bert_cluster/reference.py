@@ -445,8 +445,10 @@ def refine_with_query_mass(
     """
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
-    key_rows = keys.float() * valid[:, None, :, None]
-    top_keys = _gather_rows(keys.float(), topk_indices) * slots[..., None]  # (R, H, C, k, Dk)
+    key_rows = torch.where(valid[:, None, :, None], keys.float(), 0.0)  # padding masked, not multiplied by 0
+    top_keys = torch.where(
+        slots[..., None], _gather_rows(keys.float(), topk_indices), 0.0
+    )  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
@@ -481,6 +483,7 @@ def refine_with_query_mass(
     odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
-    exact = torch.einsum("rhnk,rhnkd->rhnd", weights, _gather_rows(values.float(), indices))
+    top_values = torch.where((indices >= 0)[..., None], _gather_rows(values.float(), indices), 0.0)
+    exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
-    return out * (assignments >= 0)[..., None]
+    return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held

@@ -107,20 +107,20 @@ KEY_STATS: list[float] = []
 def make_pipeline(parts: dict[str, int], max_topk: int) -> Callable:
     """A drop-in for ``attention._clustered`` running the candidate ``parts``."""
 
-    def pipeline(backend, query, key, value, valid, config, scaling, layer):
+    def pipeline(backend, query, key, value, valid, config, clusters, topk, scaling, layer):
         planes, offsets = attention.hash_planes(
             config.seed, layer, config.bits, query.shape[-1], query.device
         )
         hashes = backend.hash_queries(query, planes, offsets)
         iterations = parts.get("hamming", config.iterations)
-        assignments, _ = backend.hamming_kmeans(hashes, valid, config.clusters, iterations, config.bits)
+        assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, iterations, config.bits)
         if "lloyd" in parts:
             assignments, centroids, counts = backend.lloyd_refine(
-                query, assignments, config.clusters, parts["lloyd"]
+                query, assignments, clusters, parts["lloyd"]
             )
         else:
-            centroids, counts = backend.group_queries(query, assignments, config.clusters)
-        topk = parts.get("k", config.topk)
+            centroids, counts = backend.group_queries(query, assignments, clusters)
+        topk = parts.get("k", topk)
         if "mass" in parts:
             topk = max(topk, max_topk)
         centroid_values, indices, mass, top_values = backend.centroid_attention(
@@ -162,23 +162,19 @@ def make_pipeline(parts: dict[str, int], max_topk: int) -> Callable:
 
 def score_candidates(args) -> tuple[dict, list[dict]]:
     """SQuAD scores: unmodified once, then each candidate at each C."""
-    import bert_cluster
-    from bert_cluster.evaluation.kinds import ScoreSettings
-    from bert_cluster.evaluation.runner import load_kinds
-    from bert_cluster.evaluation.tasks import load_tasks
+    from bert_cluster.evaluation.runner import TaskSession
+    from bert_cluster.evaluation.tasks import get_tasks
 
-    task = load_tasks()["squad"]
-    kind = load_kinds()["squad"]
-    examples = kind.load_examples(task, [args.data_dir], args.limit)
-    loaded = kind.load_model(args.model, task, "cpu")
-    settings = ScoreSettings(batch_size=args.batch_size, max_length=None, device="cpu")
+    (task,) = get_tasks("squad")
+    session = TaskSession(
+        task, str(args.model), data_dirs=[args.data_dir], limit=args.limit, batch_size=args.batch_size
+    )
 
-    def score() -> tuple[dict[str, float], float]:
-        began = time.perf_counter()
-        scores = kind.score(loaded, task, examples, settings, lambda done, total: None)
-        return scores, time.perf_counter() - began
+    def score(config: ClusteredAttentionConfig | None) -> tuple[dict[str, float], float]:
+        run = session.score(config)  # converts, scores, reverts
+        return run.scores, run.wall_time_s
 
-    unmodified, seconds = score()
+    unmodified, seconds = score(None)
     print(f"unmodified: F1 {unmodified['f1']:.2f} EM {unmodified['exact']:.2f} ({seconds:.0f} s)", flush=True)
     original = attention._clustered
     rows = []
@@ -189,11 +185,9 @@ def score_candidates(args) -> tuple[dict, list[dict]]:
                 attention._clustered = make_pipeline(parts, args.max_topk)
                 KEY_STATS.clear()
                 config = ClusteredAttentionConfig(clusters=clusters, topk=args.topk, seed=args.seed)
-                bert_cluster.convert(loaded.model, config=config)
                 try:
-                    scores, seconds = score()
+                    scores, seconds = score(config)
                 finally:
-                    bert_cluster.revert(loaded.model)
                     attention._clustered = original
                 row = {
                     "candidate": name,

@@ -244,3 +244,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, extra, message):
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_task_inputs_are_the_first_rows_as_text_pairs(tiny, tmp_path):
+    folder, model, tokenizer = tiny
+    helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
+    pairs = inspect.load_task_texts("rte", tmp_path / "data", limit=2)
+    assert pairs == [(a, b) for a, b, _ in helpers.RTE_ROWS[:2]]
+    args = ["inspect", str(folder), "--task", "rte", "--data-dir", str(tmp_path / "data"), "--limit", "2"]
+    result = runner.invoke(app, [*args, "-c", "4", "--backend", "reference", "--json"])
+    assert result.exit_code == 0, result.output
+    api = inspect.inspect_model(model, pairs, tokenizer, clusters=4, backend="reference")
+    assert json.loads(result.stdout)["tokens"] == api.tokens

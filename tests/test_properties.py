@@ -393,7 +393,7 @@ def with_kernel_bug(reason: str, backends: tuple[str, ...] = ("cpu",)) -> list:
 
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf])
-@pytest.mark.parametrize("mode", ["i-clustered", "clustered"])
+@pytest.mark.parametrize("mode", ["i-clustered", "clustered", "i-clustered+"])
 @pytest.mark.parametrize("backend", with_kernel_bug(CPU_PADDED_VALUES))
 def test_non_finite_padding_never_reaches_valid_outputs_on_any_backend(backend, mode, fill):
     clean, poisoned, valid = _poison_case(backend, fill)
@@ -404,7 +404,7 @@ def test_non_finite_padding_never_reaches_valid_outputs_on_any_backend(backend, 
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("mode", ["i-clustered", "clustered"])
+@pytest.mark.parametrize("mode", ["i-clustered", "clustered", "i-clustered+"])
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_huge_padding_never_reaches_valid_outputs_on_any_backend(backend, mode):
     clean, poisoned, valid = _poison_case(backend, -1e30)
