@@ -24,6 +24,7 @@ __all__ = [
     "convert",
     "evaluate",
     "info",
+    "inspect_model",
     "revert",
 ]
 
@@ -43,6 +44,13 @@ def revert(model: Any) -> Any:
     from bert_cluster.hf import revert as _revert
 
     return _revert(model)
+
+
+def inspect_model(model: Any, inputs: Any, tokenizer: Any = None, config: Any = None, **settings: Any) -> Any:
+    """Per layer and head error of clustered against exact attention; see ``bert_cluster.inspect``."""
+    from bert_cluster.inspect import inspect_model as _inspect_model
+
+    return _inspect_model(model, inputs, tokenizer, config, **settings)
 
 
 def info() -> dict[str, Any]:

@@ -392,6 +392,8 @@ def _clustered(backend, query, key, value, valid, config, clusters, topk, scalin
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
     hashes = backend.hash_queries(query, planes, offsets)
     assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
+    if config.mode == "i-clustered+":
+        return _clustered_plus(backend, query, key, value, valid, assignments, clusters, topk, scaling)
     centroids, _ = backend.group_queries(query, assignments, clusters)
     refine = config.mode == "i-clustered"
     centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
@@ -401,4 +403,32 @@ def _clustered(backend, query, key, value, valid, config, clusters, topk, scalin
         return backend.broadcast_clusters(centroid_values, assignments)
     return backend.topk_refine(
         query, key, value, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
+    )
+
+
+# i-clustered+ (issue 13): i-clustered on a partition refined in the queries' own space, with
+# each query's own share of attention on the exactly recomputed keys.
+
+#: Lloyd rounds on the real query vectors after the Hamming K-means, in mode "i-clustered+".
+PLUS_LLOYD_ITERATIONS = 3
+
+
+def _clustered_plus(backend, query, key, value, valid, assignments, clusters, topk, scaling) -> torch.Tensor:
+    """i-clustered+: Lloyd rounds on the Hamming partition, then top-k refinement with per-query mass."""
+    assignments, centroids, _ = backend.lloyd_refine(query, assignments, clusters, PLUS_LLOYD_ITERATIONS)
+    centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
+        centroids, key, value, valid, topk, scaling
+    )
+    return backend.refine_with_query_mass(
+        query,
+        key,
+        value,
+        valid,
+        assignments,
+        centroids,
+        centroid_values,
+        topk_indices,
+        topk_mass,
+        topk_values,
+        scaling,
     )

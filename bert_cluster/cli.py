@@ -731,6 +731,157 @@ def validate(
     stdout.print(f"{len(tasks)} task file(s) valid", highlight=False)
 
 
+@app.command("inspect")
+@attention_options
+def inspect_command(
+    model: Annotated[str, typer.Argument(help="Hub id or local checkpoint folder (any head).")],
+    text: Annotated[
+        list[str] | None, typer.Option("--text", help="A text to run through the model; repeatable.")
+    ] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", help="A text file: one input per non-empty line.")
+    ] = None,
+    task: Annotated[
+        str | None, typer.Option("--task", "-t", help="Take the inputs from a task's dev set (see `ls`).")
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", help="Folder with the task's files (with --task).")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Inputs taken from --file or --task.")] = 16,
+    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
+    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    max_length: Annotated[int, typer.Option("--max-length", help="Truncation length (tokens).")] = 512,
+    max_error: Annotated[
+        float, typer.Option("--max-error", help="Per-layer error budget for the suggested layers=.")
+    ] = 0.1,
+    per_head: Annotated[bool, typer.Option("--heads", help="Show every head, not only layer means.")] = False,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Folder for inspect.json and inspect.png.")
+    ] = None,
+    as_json: JsonOpt = False,
+    attention: dict[str, Any] | None = None,
+) -> None:
+    """Per layer and head: relative error against exact attention, top-k mass, cluster sizes."""
+    from bert_cluster.evaluation.errors import UserError
+
+    with user_errors():
+        sources = [name for name, given in (("--text", text), ("--file", file), ("--task", task)) if given]
+        if len(sources) != 1:
+            raise UserError(
+                "give exactly one input source: --text TEXT (repeatable), --file FILE or --task TASK"
+                + (f" (got {', '.join(sources)})" if sources else "")
+            )
+        if limit < 1:
+            raise UserError(f"--limit must be a positive number of inputs, got {limit}")
+        if not max_error > 0:
+            raise UserError(f"--max-error must be positive, got {max_error}")
+        from bert_cluster.inspect import inspect_model, load_task_texts
+
+        fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
+        settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
+        config = ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+        inputs: Any
+        if text:
+            inputs = list(text)
+        elif file is not None:
+            if not file.is_file():
+                raise UserError(f"input file {file} does not exist or is not a file")
+            lines = [line.strip() for line in file.read_text(encoding="utf-8").splitlines()]
+            inputs = [line for line in lines if line][:limit]
+            if not inputs:
+                raise UserError(f"input file {file} has no non-empty line")
+        else:
+            inputs = load_task_texts(task, data_dir, limit)
+        loaded, tokenizer = _load_for_inspection(model)
+        report = inspect_model(loaded, inputs, tokenizer, config, max_length=max_length)
+    suggested = report.suggest_layers(max_error)
+    if as_json:
+        print(json.dumps({**report.to_dict(), "suggested_layers": list(suggested), "max_error": max_error}))
+    else:
+        stdout.print(_inspection_table(report, per_head))
+        advice = (
+            f"{', '.join(map(str, suggested))} (convert(..., layers={list(suggested)}))"
+            if suggested
+            else "none (raise C or k, or --max-error)"
+        )
+        stdout.print(
+            f"{report.sequences} sequences, {report.tokens} tokens. Layers with mean relative error <= "
+            f"{max_error:g}: {advice}",
+            highlight=False,
+        )
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        data = {
+            **report.to_dict(),
+            "suggested_layers": list(suggested),
+            "max_error": max_error,
+            "model": model,
+        }
+        (output / "inspect.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+        report.heatmap(output / "inspect.png")
+        if not as_json:
+            stdout.print(f"wrote {output}/inspect.json, inspect.png", highlight=False)
+
+
+def _load_for_inspection(model: str) -> tuple[Any, Any]:
+    """The encoder of any checkpoint (its head is not needed) and its tokenizer; UserError if unreadable."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.evaluation.modeling import check_model_path, quiet, resolve_model
+
+    source = resolve_model(check_model_path(model))
+    try:
+        with quiet():
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            loaded = AutoModel.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load model {source}: {first}") from None
+    return loaded.eval(), tokenizer
+
+
+def _inspection_table(report: Any, per_head: bool) -> Table:
+    c = report.config
+    title = f"{c.mode}, C={c.clusters}, k={c.topk}: clustered vs exact attention, per layer" + (
+        " and head" if per_head else " (mean over heads)"
+    )
+    table = Table(title=title)
+    columns = ["layer", *(["head"] if per_head else []), "rel. error"]
+    columns += [] if per_head else ["worst head"]
+    columns += ["top-k mass", "clusters used", "mean size", "largest %"]
+    for index, name in enumerate(columns):
+        table.add_column(name, justify="left" if index == 0 else "right")
+
+    def mass(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    if per_head:
+        for h in report.heads:
+            table.add_row(
+                str(h.layer),
+                str(h.head),
+                f"{h.relative_error:.4f}",
+                mass(h.topk_mass),
+                f"{h.clusters_used:.1f}",
+                f"{h.mean_cluster_size:.1f}",
+                f"{100 * h.largest_cluster_share:.1f}",
+            )
+    else:
+        for row in report.per_layer():
+            table.add_row(
+                str(row["layer"]),
+                f"{row['relative_error']:.4f}",
+                f"{row['worst_head_error']:.4f}",
+                mass(row["topk_mass"]),
+                f"{row['clusters_used']:.1f}",
+                f"{row['mean_cluster_size']:.1f}",
+                f"{100 * row['largest_cluster_share']:.1f}",
+            )
+    return table
+
+
 def main() -> None:
     """Entry point of the ``bert-cluster`` script and of ``python -m bert_cluster``."""
     app()

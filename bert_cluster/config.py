@@ -10,7 +10,7 @@ from typing import Any
 #: 2: cluster_growth and topk_growth (version-1 dicts load with both 0, what they meant); min_length "auto".
 CONFIG_VERSION = 2
 
-MODES = ("i-clustered", "clustered")
+MODES = ("i-clustered", "clustered", "i-clustered+")
 BACKENDS = ("auto", "cpu", "cuda", "reference")
 MAX_BITS = 63  # a hash must fit in one int64
 #: Upper bound of clusters, topk and min_length: counts of tokens or clusters, which the kernels multiply

@@ -25,6 +25,8 @@ STEPS = (
     "broadcast_clusters",
     "exact_attention",
     "banded_attention",
+    "lloyd_refine",
+    "refine_with_query_mass",
 )
 
 
@@ -77,6 +79,8 @@ class ReferenceBackend(Backend):
     broadcast_clusters = staticmethod(reference.broadcast_clusters)
     exact_attention = staticmethod(reference.exact_attention)
     banded_attention = staticmethod(reference.banded_attention)
+    lloyd_refine = staticmethod(reference.lloyd_refine)
+    refine_with_query_mass = staticmethod(reference.refine_with_query_mass)
 
 
 def _kernel_step(step: str) -> Callable:
@@ -129,6 +133,10 @@ class _KernelBackend(Backend):
     # Exact attention on short rows is torch's SDPA in attention.py; no compiled op for it. Until
     # attention.py stops asking the backend for it, the kernel backends answer with the reference.
     exact_attention = staticmethod(reference.exact_attention)
+    # i-clustered+ (issue 13): compiled for the CPU only (ops.CPU_ONLY_OPS); the CUDA backend runs the
+    # reference's PyTorch for these two steps, on the GPU (see CudaKernelBackend).
+    lloyd_refine = _kernel_step("lloyd_refine")
+    refine_with_query_mass = _kernel_step("refine_with_query_mass")
 
 
 class CpuKernelBackend(_KernelBackend):
@@ -163,6 +171,10 @@ class CudaKernelBackend(_KernelBackend):
         if ok and not torch.cuda.is_available():
             return False, "no CUDA device visible to torch"
         return ok, why
+
+    # No CUDA kernel yet for the i-clustered+ steps: the reference's tensor ops, on the same device.
+    lloyd_refine = staticmethod(reference.lloyd_refine)
+    refine_with_query_mass = staticmethod(reference.refine_with_query_mass)
 
     #: The largest head dim (Dk or Dv) the CUDA kernels take: refinement and the band keep a query's output
     #: in registers (16 values per lane) and its query in shared memory.

@@ -115,13 +115,14 @@ def load_kernels() -> dict:
 
 
 def missing_kernels(dispatch_key: str) -> list[str]:
-    """The ops of ``KERNEL_OPS`` that ``_C`` registered no implementation for (``CPU`` or ``CUDA``).
+    """The ops of ``KERNEL_OPS`` (and ``CPU_ONLY_OPS`` on the CPU) with no ``_C`` kernel for ``dispatch_key``.
 
     Asked on every dispatch, so the answer is kept with the loader's state (registrations happen at load).
     """
     cache = load_kernels().setdefault("missing_kernels", {})
     if dispatch_key not in cache:
-        cache[dispatch_key] = [op for op in KERNEL_OPS if not _loader.has_kernel(op, dispatch_key)]
+        required = KERNEL_OPS + (CPU_ONLY_OPS if dispatch_key == "CPU" else ())
+        cache[dispatch_key] = [op for op in required if not _loader.has_kernel(op, dispatch_key)]
     return list(cache[dispatch_key])
 
 
@@ -216,3 +217,94 @@ OPS = tuple(SCHEMAS)
 PENDING_KERNELS: frozenset[str] = frozenset()
 #: The ops ``_C`` must register (per device) for a kernel backend to count as available.
 KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# i-clustered+ (issue 13; w4-fidelity): Lloyd rounds on the real query vectors, and refinement with each
+# query's own top-k mass. Schemas, fakes, wrappers. Compiled for the CPU only: they are not in ``OPS`` (the
+# ops every kernel backend needs on every device); the CPU backend needs them too, the CUDA backend runs
+# the reference for them.
+
+#: op name -> schema of the ops ``_C`` implements for the CPU only.
+CPU_ONLY_SCHEMAS: dict[str, str] = {}
+
+CPU_ONLY_SCHEMAS["lloyd_refine"] = (
+    "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.define("lloyd_refine" + CPU_ONLY_SCHEMAS["lloyd_refine"])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::lloyd_refine")
+def _lloyd_refine_fake(queries, assignments, clusters, iterations):
+    rows, heads, n, dk = queries.shape
+    return (
+        queries.new_empty((rows, heads, n), dtype=torch.int64),
+        queries.new_empty((rows, heads, clusters, dk), dtype=torch.float32),
+        queries.new_empty((rows, heads, clusters), dtype=torch.float32),
+    )
+
+
+def lloyd_refine(
+    queries: torch.Tensor, assignments: torch.Tensor, clusters: int, iterations: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ``reference.lloyd_refine``: assignments ``(R, H, N)``, centroids ``(R, H, C, Dk)``, counts."""
+    _ensure_loaded()
+    return _ops.lloyd_refine.default(queries, assignments, clusters, iterations)
+
+
+CPU_ONLY_SCHEMAS["refine_with_query_mass"] = (
+    "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
+    "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) "
+    "-> Tensor"
+)
+_LIB.define("refine_with_query_mass" + CPU_ONLY_SCHEMAS["refine_with_query_mass"])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass")
+def _refine_with_query_mass_fake(
+    queries,
+    keys,
+    values,
+    valid,
+    assignments,
+    centroids,
+    centroid_values,
+    topk_indices,
+    topk_mass,
+    topk_values,
+    scaling,
+):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+def refine_with_query_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """See ``reference.refine_with_query_mass``: float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.refine_with_query_mass.default(
+        queries,
+        keys,
+        values,
+        valid,
+        assignments,
+        centroids,
+        centroid_values,
+        topk_indices,
+        topk_mass,
+        topk_values,
+        float(scaling),
+    )
+
+
+CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)

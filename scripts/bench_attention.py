@@ -11,11 +11,13 @@ one call adds at its peak. On CUDA (--device cuda): torch.cuda.max_memory_alloca
 Inputs: --batch rows of N tokens, or with --mixed a batch of 16 rows padded to N with lengths drawn
 between N/8 and N (what an evaluation feeds: SDPA gets the padding mask, as transformers passes it);
 --dtype fp32 or bf16 (the kernels widen bf16 in registers). The kernel methods force clustering on every
-row (min_length=0): they measure the kernels, not the routing of short rows.
+row (min_length=0): they measure the kernels, not the routing of short rows. Each other clustered mode
+is also given as a cost ratio to i-clustered on the same backend (issue 13's budget for i-clustered+).
 
     python scripts/bench_attention.py --threads 2 --output results/bench_attention.json
     python scripts/bench_attention.py --mixed --dtype bf16 --lengths 512 --methods sdpa kernel-i-clustered
     python scripts/bench_attention.py --lengths 8192 16384 32768 --methods sdpa kernel-i-clustered --repeats 3
+    python scripts/bench_attention.py --lengths 384 4096 --methods sdpa kernel-i-clustered kernel-i-clustered+
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-METHODS = ("sdpa", "eager", "ref-i-clustered", "ref-clustered", "kernel-i-clustered", "kernel-clustered")
+METHODS = (
+    "sdpa",
+    "eager",
+    "ref-i-clustered",
+    "ref-clustered",
+    "ref-i-clustered+",
+    "kernel-i-clustered",
+    "kernel-clustered",
+    "kernel-i-clustered+",
+)
 SETTINGS = {"clusters": 25, "topk": 32, "bits": 63, "iterations": 10}
 
 
@@ -276,6 +287,7 @@ def main() -> None:
                     "spread": (quartiles[2] - quartiles[0]) / median,
                     "speedup_vs_sdpa": sdpa / median,
                     "peak_mib": peak,
+                    "cost_vs_i_clustered": _paired_ratio(times, method, n),
                 }
             )
         print(f"  memory N={n}", file=sys.stderr)
@@ -285,6 +297,12 @@ def main() -> None:
         f"(x SDPA: SDPA time / method time; spread: IQR / median)"
     )
     render(rows, title)
+    for row in rows:
+        if row["cost_vs_i_clustered"] is not None:
+            print(
+                f"N={row['n']}: {row['method']} / its i-clustered = {row['cost_vs_i_clustered']:.3f} "
+                "(median of per-round ratios)"
+            )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {
@@ -316,6 +334,16 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.output}")
+
+
+def _paired_ratio(times, method: str, n: int) -> float | None:
+    """``method``'s time over the same backend's i-clustered time, the median of per-round ratios (each
+    round runs both back to back, so load drifts cancel); None for the other methods."""
+    backend, _, mode = method.partition("-")
+    base = (f"{backend}-i-clustered", n)
+    if mode in ("", "i-clustered") or (method, n) not in times or base not in times:
+        return None
+    return statistics.median(t / b for t, b in zip(times[(method, n)], times[base], strict=True))
 
 
 def _cpu_model() -> str:

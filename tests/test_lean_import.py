@@ -49,6 +49,7 @@ def test_import_is_lean():
         "convert",
         "evaluate",
         "info",
+        "inspect_model",
         "revert",
     ]
 

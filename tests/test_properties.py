@@ -393,7 +393,7 @@ def with_kernel_bug(reason: str, backends: tuple[str, ...] = ("cpu",)) -> list:
 
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf])
-@pytest.mark.parametrize("mode", ["i-clustered", "clustered"])
+@pytest.mark.parametrize("mode", ["i-clustered", "clustered", "i-clustered+"])
 @pytest.mark.parametrize("backend", with_kernel_bug(CPU_PADDED_VALUES))
 def test_non_finite_padding_never_reaches_valid_outputs_on_any_backend(backend, mode, fill):
     clean, poisoned, valid = _poison_case(backend, fill)
@@ -404,7 +404,7 @@ def test_non_finite_padding_never_reaches_valid_outputs_on_any_backend(backend, 
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("mode", ["i-clustered", "clustered"])
+@pytest.mark.parametrize("mode", ["i-clustered", "clustered", "i-clustered+"])
 @pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_huge_padding_never_reaches_valid_outputs_on_any_backend(backend, mode):
     clean, poisoned, valid = _poison_case(backend, -1e30)
@@ -432,7 +432,9 @@ def test_nan_in_a_valid_query_or_key_is_nan_out_on_every_backend(backend):
     assert out[2, 0, 6].isnan().all() and torch.isfinite(out[2, 0]).all(-1).sum() > 20
 
 
-@pytest.mark.parametrize("backend", with_kernel_bug(CPU_NAN_SCORES))
+# No longer a CPU defect with main's kernels (strict XPASS, measured on w4-fidelity's build of main's
+# kernels/cpu, unchanged from main @ 50b35e9): only the all -inf row below still hides its nan.
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_nan_scaling_is_nan_out_on_every_backend(backend):
     (q, k, v), _, valid = _poison_case(backend, 0.0)
     config = ClusteredAttentionConfig(clusters=6, topk=5, backend=backend)

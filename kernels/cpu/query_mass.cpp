@@ -1,0 +1,311 @@
+// refine_with_query_mass on the CPU (i-clustered+, issue 13): topk_refine with each query's own share of
+// attention on its cluster's top-k keys. See bert_cluster/reference.py (refine_with_query_mass) for the
+// formula; in short, for query i in cluster j with top-k keys T:
+//   log rho_i = log((1 - m_j) / m_j) + log Z_T(c_j) - log Z_T(q_i) + R(q_i) - R(c_j)
+//   R(x)      = s x . mu_j + s^2 / 2 x^2 . var_j   (mu, var: mean and variance of the valid keys outside T)
+//   out_i     = m_i softmax_T(s q_i . K) V_T + (1 - m_i) (Vc_j - Vtop_j) / (1 - m_j),  m_i = 1 / (1 + rho_i)
+// Softmax and accumulation in float32.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+#include "parallel.h"
+#include "vec.h"
+
+namespace bert_cluster {
+namespace {
+
+constexpr int64_t kLanes = 16;  // the width of f32x16 (vec.h)
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; }
+
+// What every member of one cluster shares.
+struct Cluster {
+  const float* kt;         // (dk, kp): the valid top-k keys, transposed, zero-padded to kp = round_up(kv)
+  const float* vt;         // (kv, dvp): their values, zero-padded to dvp = round_up(dv)
+  int64_t kv;              // valid top-k keys
+  const float* key_mean;   // (dk): mean of the row's valid keys outside T
+  const float* half_var;   // (dk): s / 2 * their variance
+  float log_base;          // log((1 - m_j) / m_j) + log Z_T(c_j) - R(c_j), -inf when T holds every valid key
+  const float* rest_mean;  // (dvp): (Vc - Vtop) / (1 - m_j), 0 when T holds every valid key
+};
+
+// R(x) = s x . (mu + s / 2 var x) = s x . mu + s^2 / 2 x^2 . var, with half_var = s / 2 var.
+BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
+                          int64_t dk, float scaling) {
+  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 16 <= dk; d += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += x[d + j] * (mean[d + j] + half_var[d + j] * x[d + j]);
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; d < dk; ++d) sum += x[d] * (mean[d] + half_var[d] * x[d]);
+  return scaling * sum;
+}
+
+// M queries of one cluster (rows q[m], outputs out[m]): scores over the top-k keys (each key vector loaded
+// once for the M queries), their log-sum-exp, the query's own mass, the weighted values plus the rest.
+template <int M>
+BC_INLINE void refine_block(const float* const* q, float* const* out, const Cluster& cluster, int64_t dk, int64_t dv,
+                            float scaling, float* __restrict scores, float* __restrict row) {
+  // Local copies: restrict pointers and scalars the compiler need not reload after each store.
+  const float* __restrict kt = cluster.kt;
+  const float* __restrict vt = cluster.vt;
+  const float* __restrict key_mean = cluster.key_mean;
+  const float* __restrict half_var = cluster.half_var;
+  const float* __restrict rest_mean = cluster.rest_mean;
+  const int64_t kv = cluster.kv;
+  const float log_base = cluster.log_base;
+  const int64_t kp = round_up(kv), dvp = round_up(dv);
+  for (int64_t c0 = 0; c0 < kp; c0 += 2 * kLanes) {
+    const bool pair = c0 + kLanes < kp;
+    f32x16 a[M] = {}, b[M] = {};
+    for (int64_t d = 0; d < dk; ++d) {
+      const f32x16 k0 = load16(kt + d * kp + c0);
+      const f32x16 k1 = pair ? load16(kt + d * kp + c0 + kLanes) : f32x16{};
+      for (int m = 0; m < M; ++m) {
+        const float x = q[m][d];
+        a[m] += x * k0;
+        b[m] += x * k1;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      store16(scores + m * kp + c0, a[m] * scaling);
+      if (pair) store16(scores + m * kp + c0 + kLanes, b[m] * scaling);
+    }
+  }
+  float rest[M];
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int m = 0; m < M; ++m) {
+    float* sm = scores + m * kp;
+    const float mx = max_of(sm, kv);
+    f32x16 acc = {};
+    for (int64_t c0 = 0; c0 < kp; c0 += kLanes) {
+      f32x16 e = fast_exp16(load16(sm + c0) - mx);
+      e = lane + static_cast<float>(c0) < static_cast<float>(kv) ? e : f32x16{};  // padding lanes: 0
+      acc += e;
+      store16(sm + c0, e);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < kLanes; ++j) sum += acc[j];
+    // rho_i = other / sum with other = exp(log_base + R(q_i) - mx), as Z_T(q_i) = sum e^mx. Then
+    // m_i / sum = 1 / (sum + other) scales the exps, and 1 - m_i = other / (sum + other).
+    const float other = std::exp(log_base + rest_logz(q[m], key_mean, half_var, dk, scaling) - mx);
+    float coef;
+    if (other < kInf) {
+      coef = 1.f / (sum + other);
+      rest[m] = other * coef;
+    } else {
+      coef = 0.f;
+      rest[m] = 1.f;
+    }
+    for (int64_t c0 = 0; c0 < kp; c0 += kLanes) store16(sm + c0, load16(sm + c0) * coef);
+  }
+  for (int64_t c0 = 0; c0 < dvp; c0 += 2 * kLanes) {
+    const bool pair = c0 + kLanes < dvp;
+    const f32x16 r0 = load16(rest_mean + c0);
+    const f32x16 r1 = pair ? load16(rest_mean + c0 + kLanes) : f32x16{};
+    f32x16 a[M], b[M];
+    for (int m = 0; m < M; ++m) {
+      a[m] = rest[m] * r0;
+      b[m] = rest[m] * r1;
+    }
+    for (int64_t l = 0; l < kv; ++l) {
+      const f32x16 v0 = load16(vt + l * dvp + c0);
+      const f32x16 v1 = pair ? load16(vt + l * dvp + c0 + kLanes) : f32x16{};
+      for (int m = 0; m < M; ++m) {
+        const float w = scores[m * kp + l];
+        a[m] += w * v0;
+        b[m] += w * v1;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      // Straight into the output row when it holds whole vectors, else through `row`.
+      float* dst = dvp == dv ? out[m] : row + m * dvp;
+      store16(dst + c0, a[m]);
+      if (pair) store16(dst + c0 + kLanes, b[m]);
+    }
+  }
+  if (dvp != dv)
+    for (int m = 0; m < M; ++m) std::copy(row + m * dvp, row + m * dvp + dv, out[m]);
+}
+
+BC_MULTIVERSION
+void refine_four(const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv, float scaling,
+                 float* scores, float* row) {
+  refine_block<4>(q, out, c, dk, dv, scaling, scores, row);
+}
+
+BC_MULTIVERSION
+void refine_one(const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv, float scaling,
+                float* scores, float* row) {
+  refine_block<1>(q, out, c, dk, dv, scaling, scores, row);
+}
+
+// sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows of dk).
+BC_MULTIVERSION
+void sum_valid_rows(const float* __restrict keys, const bool* __restrict valid, int64_t n, int64_t dk,
+                    float* __restrict sum, float* __restrict squares) {
+  for (int64_t l = 0; l < n; ++l) {
+    if (!valid[l]) continue;
+    const float* x = keys + l * dk;
+    for (int64_t d = 0; d < dk; ++d) {
+      sum[d] += x[d];
+      squares[d] += x[d] * x[d];
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                      const at::Tensor& valid, const at::Tensor& assignments,
+                                      const at::Tensor& centroids, const at::Tensor& centroid_values,
+                                      const at::Tensor& topk_indices, const at::Tensor& topk_mass,
+                                      const at::Tensor& topk_values, double scaling) {
+  check_refine_args(queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values);
+  const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
+  const int64_t dk = queries.size(3), dv = values.size(3);
+  const int64_t clusters = centroid_values.size(2), k = topk_indices.size(3);
+  check_valid(valid, rows, n, queries);
+  check_dim(centroids, 4, "centroids", "(R, H, C, Dk)");
+  check_dtype(centroids, at::kFloat, "centroids");
+  TORCH_CHECK_VALUE(centroids.size(0) == rows && centroids.size(1) == heads && centroids.size(2) == clusters &&
+                        centroids.size(3) == dk,
+                    "centroids must be (R, H, C, Dk) = (", rows, ", ", heads, ", ", clusters, ", ", dk, "), got ",
+                    centroids.sizes());
+  check_same_device(centroids, queries, "centroids", "queries");
+  const at::Tensor q = queries.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
+  const at::Tensor vf = values.to(at::kFloat).contiguous(), ok = valid.contiguous();
+  const at::Tensor a = assignments.contiguous(), cen = centroids.contiguous(), cv = centroid_values.contiguous();
+  const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
+  at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp_ = kf.data_ptr<float>();
+  const float* vp = vf.data_ptr<float>();
+  const bool* okp = ok.data_ptr<bool>();
+  const int64_t* ap = a.data_ptr<int64_t>();
+  const float* cenp = cen.data_ptr<float>();
+  const float* cvp = cv.data_ptr<float>();
+  const int64_t* tip = ti.data_ptr<int64_t>();
+  const float* tmp = tm.data_ptr<float>();
+  const float* tvp = tv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  const int64_t kp = round_up(k), dvp = round_up(dv);
+  parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(dk * kp), vt(k * dvp), scores(4 * kp), row(4 * dvp), rest_mean(dvp), key_sum(dk),
+        square_sum(dk), key_mean(dk), half_var(dk), top_score(k);
+    std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / heads;
+      const bool* okr = okp + r * n;
+      int64_t valid_keys = 0;
+      for (int64_t l = 0; l < n; ++l) valid_keys += okr[l] ? 1 : 0;
+      std::fill(key_sum.begin(), key_sum.end(), 0.f);
+      std::fill(square_sum.begin(), square_sum.end(), 0.f);
+      sum_valid_rows(kp_ + rh * n * dk, okr, n, dk, key_sum.data(), square_sum.data());
+      // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
+      int64_t* st = start.data();
+      std::fill(st, st + clusters + 1, 0);
+      const int64_t* ar = ap + rh * n;
+      for (int64_t i = 0; i < n; ++i) {
+        TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
+                          ", got ", ar[i]);
+        if (ar[i] >= 0) {
+          st[ar[i] + 1] += 1;
+        } else {
+          std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
+        }
+      }
+      for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
+      std::copy(st, st + clusters, fill.begin());
+      for (int64_t i = 0; i < n; ++i)
+        if (ar[i] >= 0) order[fill[ar[i]]++] = i;
+      for (int64_t c = 0; c < clusters; ++c) {
+        const int64_t task = rh * clusters + c;
+        const int64_t members = st[c + 1] - st[c];
+        if (members == 0) continue;
+        const int64_t* member = order.data() + st[c];
+        int64_t kv = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t l = tip[task * k + j];
+          if (l < 0) continue;
+          TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
+          slot[kv++] = l;
+        }
+        const float* centroid = cenp + task * dk;
+        const float m = tmp[task], rest = 1.f - m;
+        const bool no_rest = kv >= valid_keys;
+        // The top-k keys (transposed) and values of the cluster; their sum; the centroid's log Z_T.
+        const int64_t kvp = round_up(kv);
+        std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
+        std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
+        std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
+        std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
+        float top_max = -kInf;
+        for (int64_t j = 0; j < kv; ++j) {
+          const float* key = kp_ + (rh * n + slot[j]) * dk;
+          for (int64_t d = 0; d < dk; ++d) {
+            kt[d * kvp + j] = key[d];
+            key_mean[d] -= key[d];
+            half_var[d] -= key[d] * key[d];
+          }
+          std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
+          top_score[j] = scale * dot(centroid, key, dk);
+          top_max = std::max(top_max, top_score[j]);
+        }
+        float top_sum = 0.f;
+        for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
+        const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
+        for (int64_t d = 0; d < dk; ++d) {
+          key_mean[d] /= rest_count;
+          const float variance = half_var[d] / rest_count - key_mean[d] * key_mean[d];
+          half_var[d] = 0.5f * scale * (variance > 0.f ? variance : 0.f);
+        }
+        std::fill(rest_mean.begin(), rest_mean.end(), 0.f);
+        float log_base = -kInf;
+        if (!no_rest) {
+          const float divisor = rest > 0.f ? rest : 1.f;
+          for (int64_t d = 0; d < dv; ++d) rest_mean[d] = (cvp[task * dv + d] - tvp[task * dv + d]) / divisor;
+          const float log_odds = std::log(std::max(rest, 0.f)) - std::log(std::max(m, std::numeric_limits<float>::min()));
+          log_base = log_odds + top_max + std::log(top_sum) -
+                     rest_logz(centroid, key_mean.data(), half_var.data(), dk, scale);
+        }
+        float* orow = op + rh * n * dv;
+        if (kv == 0) {  // no key to refine: the centroid's row
+          for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
+          continue;
+        }
+        const Cluster cluster{kt.data(), vt.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
+        const float* qh = qp + rh * n * dk;
+        int64_t j = 0;
+        for (; j + 4 <= members; j += 4) {
+          const float* qs[4] = {qh + member[j] * dk, qh + member[j + 1] * dk, qh + member[j + 2] * dk,
+                                qh + member[j + 3] * dk};
+          float* os[4] = {orow + member[j] * dv, orow + member[j + 1] * dv, orow + member[j + 2] * dv,
+                          orow + member[j + 3] * dv};
+          refine_four(qs, os, cluster, dk, dv, scale, scores.data(), row.data());
+        }
+        for (; j < members; ++j) {
+          const float* qs[1] = {qh + member[j] * dk};
+          float* os[1] = {orow + member[j] * dv};
+          refine_one(qs, os, cluster, dk, dv, scale, scores.data(), row.data());
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("refine_with_query_mass", &refine_with_query_mass_cpu); }
+
+}  // namespace bert_cluster

@@ -1,0 +1,258 @@
+"""``bert_cluster.inspect`` and ``bert-cluster inspect``: the per layer and head numbers, checked against
+direct computations, the model left as it was, the heatmap, and the CLI's errors and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import helpers
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bert_cluster import dispatch, inspect
+from bert_cluster import reference as ref
+from bert_cluster.attention import clustered_attention, hash_planes
+from bert_cluster.cli import app
+from bert_cluster.config import ClusteredAttentionConfig
+
+runner = CliRunner()
+MODES = ["i-clustered", "i-clustered+", "clustered"]
+#: Relative error of the reported numbers against the direct computation (both float32 sums of the same
+#: terms in another order). Measured max 2e-7.
+SUM_RTOL = 1e-5
+#: With k >= N every mode but plain clustered is exact attention: measured relative error <= 3e-7.
+EXACT_ERROR = 1e-5
+
+
+def inputs(rows=2, heads=3, n=40, dk=16, seed=0):
+    """Random q, k, v with a sharp softmax, the second row left-padded by 7."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads, n, dk, generator=g) * 1.5 for _ in range(3))
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    valid[1:, :7] = False
+    return q, k, v, valid
+
+
+def reports(config, q, k, v, valid, layer=0, scaling=0.25):
+    totals = inspect._Totals()
+    inspect.inspect_layer(totals, layer, q, k, v, valid, config, scaling)
+    return totals.reports(with_mass=config.mode != "clustered")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_relative_error_is_the_frobenius_error_over_valid_queries(mode):
+    q, k, v, valid = inputs()
+    config = ClusteredAttentionConfig(clusters=5, topk=4, mode=mode, backend="reference")
+    found = reports(config, q, k, v, valid)
+    approximate = clustered_attention(q, k, v, valid, config, scaling=0.25, layer=0)
+    exact = ref.exact_attention(q, k, v, valid, 0.25)
+    keep = valid[:, None, :, None]
+    error = ((approximate - exact) * keep).pow(2).sum((0, 2, 3))
+    norm = (exact * keep).pow(2).sum((0, 2, 3))
+    expected = (error / norm).sqrt()
+    assert [(r.layer, r.head) for r in found] == [(0, h) for h in range(3)]
+    for report in found:
+        assert report.relative_error == pytest.approx(float(expected[report.head]), rel=SUM_RTOL)
+        assert report.relative_error > 0.01  # C=5 on 33-40 tokens is far from exact
+        assert report.clustered_sequences == 2
+
+
+@pytest.mark.parametrize("mode", ["i-clustered", "i-clustered+"])
+def test_with_k_covering_every_key_the_error_is_zero_and_the_mass_one(mode):
+    q, k, v, valid = inputs()
+    config = ClusteredAttentionConfig(clusters=5, topk=64, mode=mode, backend="reference")
+    for report in reports(config, q, k, v, valid):
+        assert report.relative_error < EXACT_ERROR
+        assert report.topk_mass == pytest.approx(1.0, abs=1e-6)
+
+
+def test_topk_mass_is_the_exact_weight_on_the_cluster_keys_and_grows_with_k():
+    q, k, v, valid = inputs()
+    masses = []
+    for topk in (2, 4, 8, 16):
+        config = ClusteredAttentionConfig(clusters=5, topk=topk, backend="reference")
+        masses.append([r.topk_mass for r in reports(config, q, k, v, valid)])
+    # The partition does not depend on k and a larger k keeps a superset of the keys: never less mass.
+    for smaller, larger in zip(masses, masses[1:], strict=False):
+        assert all(0 < a <= b + 1e-6 for a, b in zip(smaller, larger, strict=True))
+    assert all(m < 0.99 for m in masses[0])
+
+    # Direct: head 0, k=4: each valid query's exact weights summed over its cluster's top-k keys.
+    config = ClusteredAttentionConfig(clusters=5, topk=4, backend="reference")
+    backend = dispatch.ReferenceBackend()
+    assign, _, indices = inspect.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 0)
+    total, count = 0.0, 0
+    for row in range(2):
+        keep = valid[row]
+        weights = torch.softmax((q[row, 0] @ k[row, 0].T) * 0.25 + torch.where(keep, 0.0, -math.inf), -1)
+        for i in keep.nonzero().squeeze(-1).tolist():
+            top = indices[row, 0, assign[row, 0, i]]
+            total += float(weights[i, top[top >= 0]].sum())
+            count += 1
+    head0 = reports(config, q, k, v, valid)[0]
+    assert head0.topk_mass == pytest.approx(total / count, rel=SUM_RTOL)
+
+
+def test_cluster_sizes_add_up_to_the_tokens():
+    q, k, v, valid = inputs(rows=1)
+    config = ClusteredAttentionConfig(clusters=6, topk=4, backend="reference")
+    for report in reports(config, q, k, v, valid):
+        assert 1 <= report.clusters_used <= 6
+        assert report.clusters_used * report.mean_cluster_size == pytest.approx(40)
+        assert 1 / report.clusters_used <= report.largest_cluster_share <= 1
+
+
+def test_short_rows_are_exact_as_convert_routes_them():
+    q, k, v, valid = inputs()
+    config = ClusteredAttentionConfig(clusters=5, topk=4, min_length=36, backend="reference")
+    for report in reports(config, q, k, v, valid):  # row 1 (33 tokens) is exact, row 0 (40) clustered
+        assert report.clustered_sequences == 1
+
+
+def test_cluster_steps_reproduce_clustered_attention():
+    q, k, v, valid = inputs()
+    config = ClusteredAttentionConfig(clusters=5, topk=4, backend="reference")
+    backend = dispatch.ReferenceBackend()
+    assign, counts, indices = inspect.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 3)
+    planes, offsets = hash_planes(0, 3, config.bits, 16, q.device)
+    hashes = ref.hash_queries(q, planes, offsets)
+    expected_assign, _ = ref.hamming_kmeans(hashes, valid, 5, config.iterations, config.bits)
+    assert torch.equal(assign, expected_assign)
+    centroids, expected_counts = ref.group_queries(q, assign, 5)
+    assert torch.equal(counts, expected_counts)
+    cv, ti, tm, tv = ref.centroid_attention(centroids, k, v, valid, 4, 0.25)
+    assert torch.equal(indices, ti)
+    out = ref.topk_refine(q, k, v, assign, cv, ti, tm, tv, 0.25)
+    torch.testing.assert_close(out, clustered_attention(q, k, v, valid, config, scaling=0.25, layer=3))
+
+
+def test_suggest_layers_keeps_those_within_the_budget():
+    def head(layer, h, error):
+        return inspect.HeadReport(layer, h, error, 0.5, 3.0, 4.0, 0.3, 1)
+
+    report = inspect.Inspection(
+        ClusteredAttentionConfig(),
+        1,
+        12,
+        [
+            head(0, 0, 0.3),
+            head(0, 1, 0.1),
+            head(1, 0, 0.05),
+            head(1, 1, 0.12),
+            head(2, 0, 0.01),
+            head(2, 1, 0.02),
+        ],
+    )
+    assert report.suggest_layers(0.1) == (1, 2)
+    assert report.suggest_layers(0.01) == ()
+    assert report.matrix("relative_error") == [[0.3, 0.1], [0.05, 0.12], [0.01, 0.02]]
+    rows = report.per_layer()
+    assert rows[0]["worst_head_error"] == 0.3 and rows[1]["relative_error"] == pytest.approx(0.085)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoTokenizer, BertModel
+
+    folder = helpers.save_model(tmp_path_factory.mktemp("inspect") / "bert", head="base", labels=None)
+    return folder, BertModel.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+TEXTS = [
+    "clustered attention groups the queries and attends once per centroid",
+    "a short one",
+    "the quick brown fox jumps over the lazy dog, twice, and then once more for luck",
+]
+
+
+def test_inspect_model_reports_every_layer_and_head_and_leaves_the_model_as_it_was(tiny, tmp_path):
+    _, model, tokenizer = tiny
+    encoded = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        before = model(**encoded).last_hidden_state
+    implementation = model.config._attn_implementation
+    report = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
+    assert model.config._attn_implementation == implementation
+    with torch.inference_mode():
+        torch.testing.assert_close(model(**encoded).last_hidden_state, before, rtol=0, atol=0)
+    assert report.layers == [0, 1] and report.head_count == 4 and len(report.heads) == 8
+    assert report.sequences == 3 and report.tokens == int(encoded["attention_mask"].sum())
+    assert report.config.clusters == 4 and report.config.topk == 3
+    assert all(h.relative_error > 0 and 0 < h.topk_mass < 1 for h in report.heads)
+    assert all(h.clustered_sequences == 3 for h in report.heads)  # min_length 0: every row clustered
+    data = json.loads(json.dumps(report.to_dict()))
+    assert [row["layer"] for row in data["layers"]] == [0, 1]
+    png = report.heatmap(tmp_path / "map.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_inspect_model_is_exact_with_k_covering_every_key(tiny):
+    _, model, tokenizer = tiny
+    report = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=128, backend="reference")
+    assert max(h.relative_error for h in report.heads) < EXACT_ERROR
+    assert all(h.topk_mass == pytest.approx(1.0, abs=1e-6) for h in report.heads)
+
+
+def test_inspect_model_refuses_bad_inputs(tiny):
+    _, model, tokenizer = tiny
+    with pytest.raises(ValueError, match="no inputs"):
+        inspect.inspect_model(model, [], tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        inspect.inspect_model(model, TEXTS)
+    with pytest.raises(TypeError, match="ClusteredAttentionConfig"):
+        inspect.inspect_model(model, TEXTS, tokenizer, config={"clusters": 4})
+    with pytest.raises(ValueError, match="batch_size"):
+        inspect.inspect_model(model, TEXTS, tokenizer, batch_size=0)
+    with pytest.raises(TypeError):
+        inspect.inspect_model(torch.nn.Linear(2, 2), TEXTS, tokenizer)
+
+
+def test_cli_json_has_the_api_numbers_and_writes_the_heatmap(tiny, tmp_path):
+    folder, model, tokenizer = tiny
+    args = ["inspect", str(folder), "-c", "4", "--topk", "3", "--backend", "reference"]
+    args += [arg for text in TEXTS for arg in ("--text", text)]
+    result = runner.invoke(app, [*args, "--json", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    api = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
+    assert [h["relative_error"] for h in printed["heads"]] == pytest.approx(
+        [h.relative_error for h in api.heads], rel=1e-6
+    )
+    assert printed["suggested_layers"] == list(api.suggest_layers(0.1))
+    assert (tmp_path / "out" / "inspect.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "out" / "inspect.json").read_text())["heads"] == printed["heads"]
+
+    table = runner.invoke(app, [*args, "--heads"])
+    assert table.exit_code == 0 and "rel. error" in table.stdout and "worst head" not in table.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "exactly one input source"),
+        (["--text", "a b c", "--task", "rte"], "exactly one input source"),
+        (["--text", "a b c", "--limit", "0"], "--limit must be a positive"),
+        (["--file", "/nonexistent/inputs.txt"], "does not exist"),
+        (["--text", "a b c", "-c", "0"], "clusters"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(tiny, extra, message):
+    folder, _, _ = tiny
+    result = runner.invoke(app, ["inspect", str(folder), *extra])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_task_inputs_are_the_first_rows_as_text_pairs(tiny, tmp_path):
+    folder, model, tokenizer = tiny
+    helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
+    pairs = inspect.load_task_texts("rte", tmp_path / "data", limit=2)
+    assert pairs == [(a, b) for a, b, _ in helpers.RTE_ROWS[:2]]
+    args = ["inspect", str(folder), "--task", "rte", "--data-dir", str(tmp_path / "data"), "--limit", "2"]
+    result = runner.invoke(app, [*args, "-c", "4", "--backend", "reference", "--json"])
+    assert result.exit_code == 0, result.output
+    api = inspect.inspect_model(model, pairs, tokenizer, clusters=4, backend="reference")
+    assert json.loads(result.stdout)["tokens"] == api.tokens
