@@ -34,7 +34,7 @@ def forward(model, ids, mask):
 def saved_distilbert(tmp_path_factory):
     """A DistilBERT patched on its second layer only, saved; and what it computes."""
     model = tiny_model("distilbert")
-    bert_cluster.convert(model, clusters=2, topk=2, layers=[1])
+    bert_cluster.convert(model, clusters=2, topk=2, layers=[1], min_length=0)
     ids, mask = batch()
     expected = forward(model, ids, mask)
     path = tmp_path_factory.mktemp("distilbert") / "model"
@@ -96,7 +96,7 @@ def test_reloaded_families_without_layer_idx_get_their_converted_indices(family,
     # GTE and Jina v3 run eagerly; nomic-bert's first call is a compiled one (dynamo runs the lookup eagerly).
     from transformers import AutoModel
 
-    model = bert_cluster.convert(tiny_model(family), clusters=2, topk=2, layers=[1])
+    model = bert_cluster.convert(tiny_model(family), clusters=2, topk=2, layers=[1], min_length=0)
     ids, mask = batch()
     expected = forward(model, ids, mask)
     model.save_pretrained(tmp_path)
@@ -110,7 +110,7 @@ def test_reloaded_families_without_layer_idx_get_their_converted_indices(family,
 
 
 def test_an_attention_module_called_outside_its_model_says_so():
-    model = bert_cluster.convert(tiny_model("distilbert"), clusters=2)
+    model = bert_cluster.convert(tiny_model("distilbert"), clusters=2, min_length=0)
     module = bert_cluster.hf._attention_modules(model)[0]
     del module._bert_cluster_layer  # as after a reload, before the first call
     query = torch.randn(1, 4, 8, 8)

@@ -29,19 +29,19 @@ def encode(model):
 
 def test_a_converted_sentence_transformer_is_exact_when_topk_covers_every_key(encoder):
     plain = encode(encoder)
-    assert bert_cluster.convert(encoder, clusters=4, topk=512) is encoder
+    assert bert_cluster.convert(encoder, clusters=4, topk=512, min_length=0) is encoder
     inner = encoder[0].model
     assert inner.config._attn_implementation == "bert_cluster"
     assert inner.config.clustered_attention["clusters"] == 4
     assert float((encode(encoder) - plain).abs().max()) < 1e-5  # measured 1.5e-7
-    bert_cluster.convert(encoder, clusters=4, topk=2)
+    bert_cluster.convert(encoder, clusters=4, topk=2, min_length=0)
     approximate = encode(encoder)
     assert float((approximate - plain).abs().max()) > 1e-3  # measured 0.10: the patch is really in use
 
 
 def test_revert_restores_a_sentence_transformer_bit_for_bit(encoder):
     plain = encode(encoder)
-    bert_cluster.convert(encoder, clusters=4, topk=2)
+    bert_cluster.convert(encoder, clusters=4, topk=2, min_length=0)
     assert not torch.equal(encode(encoder), plain)
     assert bert_cluster.revert(encoder) is encoder
     assert encoder[0].model.config._attn_implementation == "sdpa"
@@ -51,7 +51,7 @@ def test_revert_restores_a_sentence_transformer_bit_for_bit(encoder):
 def test_a_saved_sentence_transformer_reloads_with_its_patch(encoder, tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    bert_cluster.convert(encoder, clusters=4, topk=2, seed=3)
+    bert_cluster.convert(encoder, clusters=4, topk=2, seed=3, min_length=0)
     expected = encode(encoder)
     encoder.save(str(tmp_path))
     reloaded = SentenceTransformer(str(tmp_path), device="cpu")
