@@ -19,6 +19,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """What bert-cluster caches (long-position proxies) goes to a temporary folder, not the user's cache."""
+    previous = os.environ.get("BERT_CLUSTER_CACHE")
+    os.environ["BERT_CLUSTER_CACHE"] = str(tmp_path_factory.mktemp("bert-cluster-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("BERT_CLUSTER_CACHE", None)
+    else:
+        os.environ["BERT_CLUSTER_CACHE"] = previous
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ _KIND_MODULES = (
     "bert_cluster.evaluation.classification",
     "bert_cluster.evaluation.squad",
     "bert_cluster.evaluation.embedding",
+    "bert_cluster.evaluation.long_documents",
 )
 
 
