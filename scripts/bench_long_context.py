@@ -168,9 +168,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             bert_cluster.revert(model)
 
     if job["mode"] == "memory":
-        patched = job["variant"] == "patched"
-        if patched:
-            patch(True)
+        if job["variant"] == "patched":
+            patch(True)  # a refusal ends this process with the error, reported for this variant
         forward(documents[0][:, : min(length, 256)])  # what a warm-up allocates is not the long input's
         # The peak of loading the weights can exceed a forward's: reset the high-water mark first.
         was_reset = reset_peak()
@@ -184,14 +183,21 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
             "peak_reset": was_reset,
         }
 
-    times: dict[str, list[float]] = {"sdpa": [], "patched": []}
-    embeddings: dict[str, list[torch.Tensor]] = {"sdpa": [], "patched": []}
-    for variant in ("sdpa", "patched"):  # warm-up: thread pools, kernel load, convert's registration
+    variants = ["sdpa", "patched"]
+    try:  # a family convert refuses: still time the unmodified model, and say why
+        patch(True)
+        patch(False)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        out["patched_error"] = f"convert: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        variants = ["sdpa"]
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    embeddings: dict[str, list[torch.Tensor]] = {variant: [] for variant in variants}
+    for variant in variants:  # warm-up: thread pools, kernel load, convert's registration
         patch(variant == "patched")
         forward(documents[0][:, : min(length, 512)])
         patch(False)
     for repeat in range(job["repeats"]):
-        order = ("sdpa", "patched") if repeat % 2 == 0 else ("patched", "sdpa")
+        order = variants if repeat % 2 == 0 else variants[::-1]
         for document in documents:
             for variant in order:
                 patch(variant == "patched")
@@ -201,11 +207,14 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                 patch(False)
                 if repeat == 0:
                     embeddings[variant].append(vector)
-    cosines = [
-        float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-        for a, b in zip(embeddings["sdpa"], embeddings["patched"], strict=True)
-    ]
-    return {**out, "sdpa_s": times["sdpa"], "patched_s": times["patched"], "cosine": cosines}
+    out["sdpa_s"] = times["sdpa"]
+    if "patched" in times:
+        out["patched_s"] = times["patched"]
+        out["cosine"] = [
+            float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+            for a, b in zip(embeddings["sdpa"], embeddings["patched"], strict=True)
+        ]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,16 +254,17 @@ def summarise(
     if "error" in timing:
         row["errors"]["time"] = timing["error"]
     else:
-        sdpa, patched = statistics.median(timing["sdpa_s"]), statistics.median(timing["patched_s"])
-        row.update(
-            sdpa_s=sdpa,
-            patched_s=patched,
-            speedup=sdpa / patched,
-            cosine_mean=statistics.fmean(timing["cosine"]),
-            cosine_min=min(timing["cosine"]),
-            samples=len(timing["sdpa_s"]),
-            raw=timing,
-        )
+        row.update(sdpa_s=statistics.median(timing["sdpa_s"]), samples=len(timing["sdpa_s"]), raw=timing)
+        if "patched_error" in timing:
+            row["errors"]["patched"] = timing["patched_error"]
+        else:
+            patched = statistics.median(timing["patched_s"])
+            row.update(
+                patched_s=patched,
+                speedup=row["sdpa_s"] / patched,
+                cosine_mean=statistics.fmean(timing["cosine"]),
+                cosine_min=min(timing["cosine"]),
+            )
     for variant, result in memory.items():
         if "error" in result:
             row["errors"][f"memory_{variant}"] = result["error"]

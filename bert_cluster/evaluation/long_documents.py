@@ -338,6 +338,8 @@ def long_position_proxy(model: str | Path, positions: int, cache: str | Path | N
     table = state[keys[0]]
     rows = torch.arange(positions) % original + offset
     state[keys[0]] = torch.cat([table[:offset], table[rows]]).contiguous()
+    for key in [key for key in state if key.endswith("embeddings.position_ids")]:  # older checkpoints keep it
+        state[key] = torch.arange(positions + offset, dtype=state[key].dtype)[None]
 
     folder.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
