@@ -47,7 +47,7 @@ def revert(model: Any) -> Any:
 
 def info() -> dict[str, Any]:
     """Versions, kernel build status and each backend's availability (what ``bert-cluster env`` prints)."""
-    from bert_cluster._loader import build_info
+    from bert_cluster._build import build_info
 
     return build_info()
 

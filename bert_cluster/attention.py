@@ -1,17 +1,28 @@
 """``clustered_attention``: the one place where the paper's steps are composed.
 
-Routing by algorithm lives here (short rows use exact attention); the choice of backend (reference,
-CPU or CUDA kernels) lives in ``bert_cluster.dispatch``.
+Routing by algorithm lives here: rows too short for clustering to pay run torch's own SDPA over their
+valid keys only; every other row runs the paper's steps with the cluster count and top-k its length
+calls for (``ClusteredAttentionConfig.row_settings``). The choice of backend (reference, CPU or CUDA
+kernels) lives in ``bert_cluster.dispatch``.
+
+The routing reads each row's valid length on the host once per forward pass, not once per layer: the
+plan is cached for the same ``valid`` tensor (transformers hands every layer the same mask), and the
+hash planes are cached on the device they are used on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
+import threading
+import weakref
+from typing import Any
 
 import torch
 
-from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.config import AUTO, ClusteredAttentionConfig
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
 
@@ -27,16 +38,47 @@ def _cpu_planes(seed: int, layer: int, bits: int, head_dim: int) -> tuple[torch.
     return planes, offsets
 
 
+@functools.lru_cache(maxsize=256)
+def _device_planes(
+    seed: int, layer: int, bits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    planes, offsets = _cpu_planes(seed, layer, bits, head_dim)
+    with torch.inference_mode(False):  # one host-to-device copy per (layer, device), not one per call
+        return planes.to(device), offsets.to(device)
+
+
 def hash_planes(
     seed: int, layer: int, bits: int, head_dim: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The random hyperplanes ``(B, Dk)`` and offsets ``(B,)`` of one layer.
 
     Drawn on the CPU from a generator seeded with ``(seed, layer)``, so that every backend and device
-    hashes with identical bits and each layer has its own stream. Shared by all heads of the layer.
+    hashes with identical bits and each layer has its own stream. Shared by all heads of the layer;
+    cached on each device they are used on.
     """
-    planes, offsets = _cpu_planes(seed, layer, bits, head_dim)
-    return planes.to(device), offsets.to(device)
+    return _device_planes(seed, layer, bits, head_dim, torch.device(device))
+
+
+def _check_inputs(query, key, value, valid, name: str) -> None:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"{name} expects self-attention tensors query/key (R, H, N, Dk) and value (R, H, N, Dv); "
+            f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same head dim, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    if key.shape[:-1] != query.shape[:-1] or value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(
+            f"{name} expects self-attention tensors query/key (R, H, N, Dk) and value (R, H, N, Dv); "
+            f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    rows, _, length, _ = query.shape
+    if valid is not None and (valid.shape != (rows, length) or valid.dtype != torch.bool):
+        raise ValueError(
+            f"valid must be a bool tensor of shape {(rows, length)}, got {valid.dtype} {tuple(valid.shape)}"
+        )
 
 
 def clustered_attention(
@@ -59,46 +101,200 @@ def clustered_attention(
         layer: the layer index, which selects this layer's stream of random hash planes.
 
     Returns:
-        ``(R, H, N, Dv)`` in the input dtype. Rows with at most C valid tokens (or fewer than
-        ``config.min_length``) get exact attention. Padded query positions get zeros.
+        ``(R, H, N, Dv)`` in the input dtype. Short rows (at most C valid tokens, or fewer than
+        ``config.min_length``) get exact attention through torch's SDPA over their valid keys. Padded
+        query positions get zeros; padding never influences a valid output, and NaN/inf in valid inputs
+        or in ``scaling`` propagate to the outputs they touch (``bert_cluster.reference`` states the rules).
     """
     config = config or ClusteredAttentionConfig()
-    if query.dim() != 4 or key.shape[:-1] != query.shape[:-1] or value.shape[:-1] != key.shape[:-1]:
-        raise ValueError(
-            "clustered_attention expects self-attention tensors query/key (R, H, N, Dk) and value "
-            f"(R, H, N, Dv); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
+    _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
-    if valid is None:
-        valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
-    elif valid.shape != (rows, length) or valid.dtype != torch.bool:
-        raise ValueError(
-            f"valid must be a bool tensor of shape {(rows, length)}, got {valid.dtype} {tuple(valid.shape)}"
-        )
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
     if torch.compiler.is_compiling():
         # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
+        if valid is None:
+            valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
         return _clustered_attention_op(query, key, value, valid, *_config_args(config), scaling, layer)
     return _route(query, key, value, valid, config, scaling, layer)
 
 
-def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
-    """Short rows to exact attention, the rest through the paper's steps, on the chosen backend."""
+# --- routing ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which backend and which rows go where, decided once per (valid mask, settings, shapes)."""
+
+    backend: Any  # a dispatch.Backend
+    short: list[int]  # rows for exact attention
+    short_lengths: list[int]  # their valid lengths
+    short_prefix: bool  # every short row's valid tokens are a prefix (right padding or none)
+    groups: list[tuple[list[int], int, int]]  # (rows, clusters, topk) for the clustered rows
+    rows: int
+    device: torch.device
+    _indices: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def index(self, rows: list[int]) -> torch.Tensor:
+        """The rows as an index tensor on the device, made once per plan."""
+        key = tuple(rows)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self._indices[key]
+
+
+_PLANS: dict = {}
+_PLANS_LOCK = threading.Lock()
+_PLANS_KEPT = 16
+
+
+def _plan(query, key, value, valid, config, scaling) -> _Plan:
+    """The routing plan, from a cache keyed on the very ``valid`` tensor (and its in-place version).
+
+    Everything the backend choice reads is in the key (devices, dtypes, whether autograd records, the
+    backend environment variables), so each layer of a forward pass reuses the first layer's plan.
+    """
+    rows, heads, length, head_dim = query.shape
+    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    environment = tuple(os.environ.get(name) for name in _BACKEND_VARIABLES)
+    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, environment)
+    # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
+    # its plan (transformers builds a new mask tensor for every forward pass).
+    version = None if valid is None or valid.is_inference() else valid._version
+    # The config by identity (a model's layers share one object; hashing its fields costs more), checked
+    # below together with the mask, so that a reused id never returns another object's plan.
+    cache_key = (None if valid is None else (id(valid), version), facts, id(config))
+    cached = _PLANS.get(cache_key)
+    if cached is not None and cached[1] is config and (cached[0] is None or cached[0]() is valid):
+        return cached[2]
+    plan = _make_plan(query, key, value, valid, config, scaling)
+    with _PLANS_LOCK:
+        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), config, plan)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
+    return plan
+
+
+_BACKEND_VARIABLES = ("BERT_CLUSTER_BACKEND", "BERT_CLUSTER_DISABLE_KERNELS")
+
+
+def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
     from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
 
     backend = dispatch.select_backend(config.backend, query, key, value)
-    lengths = valid.sum(-1)
-    short = (lengths <= config.clusters) | (lengths < config.min_length)
-    if bool(short.all()):
-        out = backend.exact_attention(query, key, value, valid, scaling)
-        return out.to(query.dtype)
-    if not bool(short.any()):
-        return _clustered(backend, query, key, value, valid, config, scaling, layer).to(query.dtype)
-    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=torch.float32, device=query.device)
-    s, c = short.nonzero().squeeze(-1), (~short).nonzero().squeeze(-1)
-    out[s] = backend.exact_attention(query[s], key[s], value[s], valid[s], scaling)
-    out[c] = _clustered(backend, query[c], key[c], value[c], valid[c], config, scaling, layer)
-    return out.to(query.dtype)
+    rows, _, length, _ = query.shape
+    if valid is None:
+        lengths, prefix = [length] * rows, [True] * rows
+    else:
+        # The one host synchronisation of a forward pass: lengths and layouts of every row, together.
+        count = valid.sum(-1)
+        is_prefix = (valid == (torch.arange(length, device=valid.device) < count[:, None])).all(-1)
+        facts = torch.stack([count, is_prefix.long()]).tolist()
+        lengths, prefix = facts[0], [bool(p) for p in facts[1]]
+    settings = [config.row_settings(n) for n in lengths]
+    long_rows = [r for r in range(rows) if lengths[r] > settings[r][0]]
+    min_length = config.min_length
+    if min_length == AUTO:
+        min_length = 0
+        if long_rows:
+            from bert_cluster import crossover
+
+            min_length = crossover.min_length(backend, query, key, value, config, scaling)
+    long_rows = [r for r in long_rows if lengths[r] >= min_length]
+    clustered = set(long_rows)
+    short = [r for r in range(rows) if r not in clustered]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r in long_rows:
+        groups.setdefault(settings[r], []).append(r)
+    return _Plan(
+        backend=backend,
+        short=short,
+        short_lengths=[lengths[r] for r in short],
+        short_prefix=all(prefix[r] for r in short),
+        groups=[(members, c, k) for (c, k), members in groups.items()],
+        rows=rows,
+        device=query.device,
+    )
+
+
+def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
+    """Short rows to SDPA, the rest through the paper's steps on the chosen backend, per row settings."""
+    plan = _plan(query, key, value, valid, config, scaling)
+    backend = plan.backend
+    rows, _, length, _ = query.shape
+    if valid is None and plan.groups:
+        valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
+
+    def part(tensor, members):
+        return tensor if len(members) == rows else tensor.index_select(0, plan.index(members))
+
+    if len(plan.short) == rows:
+        return exact_rows(query, key, value, valid, plan.short_lengths, plan.short_prefix, scaling)
+    if len(plan.groups) == 1 and not plan.short:
+        _, clusters, topk = plan.groups[0]
+        return _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer).to(
+            query.dtype
+        )
+    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype, device=query.device)
+    for members, clusters, topk in plan.groups:
+        q, k, v, ok = (part(t, members) for t in (query, key, value, valid))
+        result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer)
+        out = out.index_copy(0, plan.index(members), result.to(query.dtype))
+    if plan.short:
+        q, k, v = (part(t, plan.short) for t in (query, key, value))
+        ok = None if valid is None else part(valid, plan.short)
+        result = exact_rows(q, k, v, ok, plan.short_lengths, plan.short_prefix, scaling)
+        out = out.index_copy(0, plan.index(plan.short), result)
+    return out
+
+
+def exact_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor | None,
+    lengths: list[int],
+    prefix: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """Exact attention through torch's SDPA over each row's valid keys only, in the input dtype.
+
+    ``lengths`` are the rows' valid counts (on the host); ``prefix`` says every row's valid tokens come
+    first (right padding), so that slicing replaces gathering. Rows are packed to the longest valid length
+    L: the work is at most (rows x L x L), never the padded N x N, and padded positions are zeroed
+    before SDPA sees them (an attention mask alone would still let ``nan`` through: ``nan + -inf``).
+    Padded queries get zeros.
+    """
+    rows, heads, length, _ = query.shape
+    longest = max(lengths, default=0)
+    if valid is None or min(lengths) == length:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
+    out_shape = (rows, heads, length, value.shape[-1])
+    if longest == 0:
+        return query.new_zeros(out_shape)
+    if prefix:
+        q, k, v = (t[:, :, :longest] for t in (query, key, value))
+        kept = valid[:, :longest]
+        order = None
+    else:
+        # Valid positions first, in order (a stable sort of the padding flags), then the padding.
+        order = torch.sort((~valid).byte(), dim=-1, stable=True).indices[:, :longest]
+        kept = valid.gather(1, order)
+        q, k, v = (
+            t.gather(2, order[:, None, :, None].expand(-1, heads, -1, t.shape[-1]))
+            for t in (query, key, value)
+        )
+    mask = None
+    if min(lengths) < longest:  # rows of several lengths: mask each row's padding inside the pack
+        keep = kept[:, None, :, None]
+        q, k, v = (torch.where(keep, t, 0) for t in (q, k, v))
+        mask = kept[:, None, None, :]
+    packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    if mask is not None:
+        packed = torch.where(keep, packed, 0)
+    if order is None:  # right padding: the padded tail gets zeros
+        return torch.nn.functional.pad(packed, (0, 0, 0, length - longest))
+    index = order[:, None, :, None].expand(-1, heads, -1, packed.shape[-1])
+    return query.new_zeros(out_shape).scatter(2, index, packed)
 
 
 def windowed_attention(
@@ -119,6 +315,7 @@ def windowed_attention(
     from bert_cluster import dispatch
 
     config = config or ClusteredAttentionConfig()
+    _check_inputs(query, key, value, valid, "windowed_attention")
     rows, _, length, head_dim = query.shape
     if valid is None:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
@@ -127,11 +324,28 @@ def windowed_attention(
     return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
 
 
-_CONFIG_FIELDS = ("clusters", "topk", "bits", "iterations", "mode", "min_length", "seed", "backend")
+# --- torch.compile: the whole routing as one opaque op -------------------------------------------------
+
+_CONFIG_FIELDS = (
+    "clusters",
+    "topk",
+    "bits",
+    "iterations",
+    "mode",
+    "min_length",
+    "cluster_growth",
+    "topk_growth",
+    "seed",
+    "backend",
+)
 
 
 def _config_args(config: ClusteredAttentionConfig) -> tuple:
-    return tuple(getattr(config, name) for name in _CONFIG_FIELDS)
+    # min_length is an int or "auto": passed as a string (an op argument has one type).
+    return tuple(
+        str(getattr(config, name)) if name == "min_length" else getattr(config, name)
+        for name in _CONFIG_FIELDS
+    )
 
 
 @torch.library.custom_op("bert_cluster::clustered_attention", mutates_args=())
@@ -145,7 +359,9 @@ def _clustered_attention_op(
     bits: int,
     iterations: int,
     mode: str,
-    min_length: int,
+    min_length: str,
+    cluster_growth: float,
+    topk_growth: float,
     seed: int,
     backend: str,
     scaling: float,
@@ -156,9 +372,11 @@ def _clustered_attention_op(
     Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
     Forward only: compiling a patched model is for inference; eager training uses the reference path.
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, seed, backend)
-    config = ClusteredAttentionConfig(**dict(zip(_CONFIG_FIELDS, values, strict=True)))
-    return _route(query, key, value, valid, config, scaling, layer)
+    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
+    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
+    if settings["min_length"] != AUTO:
+        settings["min_length"] = int(settings["min_length"])
+    return _route(query, key, value, valid, ClusteredAttentionConfig(**settings), scaling, layer)
 
 
 @_clustered_attention_op.register_fake
@@ -166,15 +384,18 @@ def _(query, key, value, valid, *settings):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
-def _clustered(backend, query, key, value, valid, config, scaling, layer) -> torch.Tensor:
-    """The paper's steps on rows that are all longer than C: float32 output."""
+# --- the paper's steps -------------------------------------------------------------------------------
+
+
+def _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer) -> torch.Tensor:
+    """The paper's steps on rows that are all longer than ``clusters``: float32 output."""
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
     hashes = backend.hash_queries(query, planes, offsets)
-    assignments, _ = backend.hamming_kmeans(hashes, valid, config.clusters, config.iterations, config.bits)
-    centroids, _ = backend.group_queries(query, assignments, config.clusters)
+    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
+    centroids, _ = backend.group_queries(query, assignments, clusters)
     refine = config.mode == "i-clustered"
     centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
-        centroids, key, value, valid, config.topk if refine else 0, scaling
+        centroids, key, value, valid, topk if refine else 0, scaling
     )
     if not refine:
         return backend.broadcast_clusters(centroid_values, assignments)

@@ -1,21 +1,32 @@
 """The ``bert-cluster`` command: a thin shell over ``bert_cluster.evaluation`` and ``bert_cluster.info``.
 
-Each command parses its options, builds the objects the API takes, calls the API and renders the result
-with rich. A user mistake (``UserError``, or a ValueError/TypeError from validating settings) becomes
-one line on stderr and exit code 2, without a traceback.
+Each command parses its options, builds the objects the API takes (a ``ClusteredAttentionConfig``, or
+the settings to change in it), calls the API and renders the result with rich: tables on stdout,
+progress and errors on stderr. A user mistake becomes one line on stderr and exit code 2, without a
+traceback; Ctrl-C during a run says in one line where the partial results are (exit 130).
+``python -m bert_cluster`` is the same command (so ``accelerate launch -m bert_cluster evaluate`` works).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
+import functools
+import inspect
 import json
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from bert_cluster import __version__
+from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 
 app = typer.Typer(
     name="bert-cluster",
@@ -30,38 +41,238 @@ app.add_typer(kernels_app, name="kernels")
 stdout = Console()
 stderr = Console(stderr=True)
 
+#: The choices, as enums so that --help lists them (taken from config.py: a new mode appears by itself).
+Mode = enum.Enum("Mode", {name: name for name in MODES}, type=str)
+Backend = enum.Enum("Backend", {name: name for name in BACKENDS}, type=str)
+_DEFAULTS = ClusteredAttentionConfig()
+
+
+def _int_or_word(text: str) -> int | str:
+    """``12`` -> 12; a word (such as ``auto``) is passed on for the config to accept or refuse."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise typer.BadParameter(f"malformed layer list {text!r}: give non-negative ints separated by commas")
+    return tuple(int(part) for part in parts)
+
+
+#: One option per ClusteredAttentionConfig setting that evaluate and convert share (clusters, mode and
+#: seed differ: evaluate sweeps them). A new setting is one line here.
+ATTENTION_OPTIONS: dict[str, Any] = {
+    "topk": Annotated[
+        int | None,
+        typer.Option("--topk", help=f"Keys per cluster recomputed exactly (default {_DEFAULTS.topk})."),
+    ],
+    "bits": Annotated[
+        int | None, typer.Option("--bits", help=f"Hash bits per query, 1..63 (default {_DEFAULTS.bits}).")
+    ],
+    "iterations": Annotated[
+        int | None,
+        typer.Option(
+            "--iterations", help=f"Lloyd iterations of Hamming K-means (default {_DEFAULTS.iterations})."
+        ),
+    ],
+    "min_length": Annotated[
+        str | None,
+        typer.Option(
+            "--min-length",
+            parser=_int_or_word,
+            help="Rows shorter than this use exact attention: an int, or auto (the measured crossover; "
+            "convert's default). evaluate: 0, every row approximated.",
+        ),
+    ],
+    "cluster_growth": Annotated[
+        float | None,
+        typer.Option(
+            "--cluster-growth",
+            help="Rows of n > 512 tokens use C * (n / 512) ** this clusters; 0 keeps C fixed "
+            f"(default {_DEFAULTS.cluster_growth}).",
+        ),
+    ],
+    "topk_growth": Annotated[
+        float | None,
+        typer.Option(
+            "--topk-growth",
+            help=f"The same for topk (default {_DEFAULTS.topk_growth}).",
+        ),
+    ],
+    "layers": Annotated[
+        str | None,
+        typer.Option("--layers", parser=_layers, help="Layer indices to patch: 0,1,2 (default all)."),
+    ],
+    "backend": Annotated[Backend | None, typer.Option("--backend", help="Attention kernels (default auto).")],
+}
+
+
+def attention_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` one option per ``ATTENTION_OPTIONS`` entry; those given arrive as ``attention``."""
+    signature = inspect.signature(command, eval_str=True)
+    kept = [parameter for parameter in signature.parameters.values() if parameter.name != "attention"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+        for name, annotation in ATTENTION_OPTIONS.items()
+    ]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        given = {name: kwargs.pop(name, None) for name in ATTENTION_OPTIONS}
+        settings = {
+            name: getattr(value, "value", value) for name, value in given.items() if value is not None
+        }
+        return command(*args, attention=settings, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+    return wrapper
+
+
 # Options shared by several commands, declared once.
-ClustersOpt = Annotated[
-    str, typer.Option("--clusters", "-c", help="Cluster counts C, comma-separated: 10,25,50.")
-]
-ModeOpt = Annotated[str, typer.Option("--mode", help="i-clustered (improved) or clustered.")]
-TopkOpt = Annotated[int, typer.Option("--topk", help="Keys per cluster recomputed exactly (i-clustered).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for machines instead of tables.")]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite", help="Write into a folder that is not empty (replacing an earlier run's files)."
+    ),
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress and no notes: results and errors only.")
+]
 
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn a user mistake into one line on stderr and exit code 2."""
-    from bert_cluster.evaluation.errors import UserError
+    """Turn a user mistake into one line on stderr and exit code 2; Ctrl-C into one line and exit 130."""
+    from bert_cluster.evaluation.errors import UserError, one_line
+    from bert_cluster.evaluation.runner import RunInterrupted
 
     try:
         yield
     except (UserError, ValueError, TypeError) as error:
-        message = " ".join(str(error).split()) or type(error).__name__
-        if not isinstance(error, UserError):
-            message = f"{type(error).__name__}: {message}"
+        message = (
+            one_line(error) if isinstance(error, UserError) else f"{type(error).__name__}: {one_line(error)}"
+        )
         stderr.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    except RunInterrupted as interrupted:
+        where = (
+            f"partial results in {interrupted.written}"
+            if interrupted.written
+            else "nothing written (no --output)"
+        )
+        unfinished = [task.task for task in interrupted.results.tasks if task.status == "interrupted"]
+        marked = f"; task {', '.join(unfinished)} marked interrupted" if unfinished else ""
+        stderr.print(f"interrupted: {where}{marked}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+
+
+class RichReporter:
+    """Progress bars with an ETA on stderr (a terminal): tasks, configurations of a task, its items."""
+
+    def __init__(self, console: Console) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("{task.description:<36}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self._tasks = self._configs = self._items = None
+
+    def start(self, tasks: int) -> None:  # noqa: D102
+        self.progress.start()
+        self._tasks = self.progress.add_task("tasks", total=tasks)
+
+    def task(self, name: str, configurations: int) -> None:  # noqa: D102
+        if self._configs is not None:
+            self.progress.remove_task(self._configs)
+        self._configs = self.progress.add_task(f"{name}: configurations", total=configurations)
+        self.progress.update(self._tasks, description=f"tasks ({name})")
+
+    def configuration(self, label: str) -> None:  # noqa: D102
+        if self._items is not None:
+            self.progress.remove_task(self._items)
+        self._items = self.progress.add_task(f"  {label}", total=None)
+
+    def advance(self, done: int, total: int) -> None:  # noqa: D102
+        self.progress.update(self._items, completed=done, total=total)
+
+    def configuration_done(self, run: Any) -> None:  # noqa: D102
+        self.progress.advance(self._configs)
+
+    def task_done(self, result: Any) -> None:  # noqa: D102
+        self.progress.advance(self._tasks)
+
+    def finish(self) -> None:  # noqa: D102
+        self.progress.stop()
+
+
+class LogReporter:
+    """Plain lines on stderr (a log, where bars cannot redraw): each configuration, progress every 30 s."""
+
+    def __init__(self, console: Console, every: float = 30.0) -> None:
+        self.console, self.every = console, every
+        self.name = self.label = ""
+        self.began = self.last = 0.0
+
+    def _line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def start(self, tasks: int) -> None:  # noqa: D102
+        self._line(f"{tasks} task(s)")
+
+    def task(self, name: str, configurations: int) -> None:  # noqa: D102
+        self.name = name
+        self._line(f"[{name}] {configurations} configuration(s)")
+
+    def configuration(self, label: str) -> None:  # noqa: D102
+        self.label, self.began = label, time.monotonic()
+        self.last = self.began
+
+    def advance(self, done: int, total: int) -> None:  # noqa: D102
+        now = time.monotonic()
+        if done and total and now - self.last >= self.every:
+            self.last = now
+            left = (now - self.began) * (total - done) / done
+            self._line(
+                f"[{self.name}] {self.label}: {done}/{total} ({100 * done / total:.0f}%), ETA {left:.0f} s"
+            )
+
+    def configuration_done(self, run: Any) -> None:  # noqa: D102
+        scores = ", ".join(f"{key} {value:.2f}" for key, value in run.scores.items())
+        speed = "" if run.speedup is None else f", {run.speedup:.2f}x"
+        self._line(f"[{self.name}] {run.label}: {scores} ({run.wall_time_s:.1f} s{speed}, {run.backend})")
+
+    def task_done(self, result: Any) -> None:  # noqa: D102
+        state = f"ok (data: {result.source})" if result.ok else f"{result.status}: {result.error}"
+        self._line(f"[{result.task}] {state}")
+
+    def finish(self) -> None:  # noqa: D102
+        pass
 
 
 def results_table(results: Any) -> Table:
-    """The summary table: task, metric, unmodified, then each C as mean ± std (delta)."""
+    """The summary table: task, metric, unmodified, then each mode and C as mean ± std (Δ), and speed."""
     from bert_cluster.evaluation.report import table_rows
 
     header, rows = table_rows(results)
     seeds = results.settings.get("seeds") or []
-    mode = results.settings.get("mode", "")
-    title = f"{mode} attention, {len(seeds)} seed(s); patched: mean ± std (Δ unmodified)"
+    modes = ", ".join(results.settings.get("modes") or [])
+    title = (
+        f"{modes} attention, {len(seeds)} seed(s); patched: mean ± std (Δ unmodified); speed: × unmodified"
+    )
     table = Table(title=title)
     for index, name in enumerate(header):
         table.add_column(name, justify="left" if index < 2 else "right")
@@ -70,12 +281,28 @@ def results_table(results: Any) -> Table:
     return table
 
 
+def _version(value: bool) -> None:
+    if value:
+        print(f"bert-cluster {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Improved clustered attention for pretrained BERT-family models: evaluate, convert, inspect."""
+
+
 @app.command()
+@attention_options
 def evaluate(
     model: Annotated[
         str | None,
         typer.Argument(
-            help="Hub id or local folder ({task} becomes each task's name). Omit: the embedded default."
+            help="Hub id, local folder or package:NAME ({task} becomes each task's name). Omit: the demo."
         ),
     ] = None,
     task: Annotated[
@@ -84,10 +311,12 @@ def evaluate(
     clusters: Annotated[
         str | None, typer.Option("--clusters", "-c", help="Cluster counts C: 10,25,50.")
     ] = None,
-    mode: Annotated[str | None, typer.Option("--mode", help="i-clustered or clustered.")] = None,
-    topk: Annotated[int | None, typer.Option("--topk", help="Keys per cluster recomputed exactly.")] = None,
+    mode: Annotated[
+        list[Mode] | None,
+        typer.Option("--mode", help="Attention mode; repeat to compare modes (default i-clustered)."),
+    ] = None,
     seeds: Annotated[
-        int | None, typer.Option("--seeds", help="Number of seeds (0..N-1) per cluster count.")
+        int | None, typer.Option("--seeds", help="Number of seeds (0..N-1) per C and mode.")
     ] = None,
     data_dir: Annotated[
         list[Path] | None,
@@ -99,65 +328,66 @@ def evaluate(
         int | None, typer.Option("--max-length", help="Truncation length (tokens).")
     ] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", help="Batch size.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
     limit: Annotated[
         int | None,
         typer.Option(
-            "--limit",
-            help="Score N examples per task: the first N (retrieval: N questions spread over the set).",
+            "--limit", help="Score N examples per task (retrieval: N questions, corpus cut in proportion)."
         ),
     ] = None,
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", help="Folder for results.json, results.md and scores.png."),
     ] = None,
+    overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    attention: dict[str, Any] | None = None,
 ) -> None:
-    """Score MODEL unmodified and with clustered attention at each cluster count, on each task."""
+    """Score MODEL unmodified and with clustered attention in each configuration, on each task."""
     from bert_cluster import evaluation
-    from bert_cluster.evaluation.runner import LineReporter, RichReporter
+    from bert_cluster.evaluation.parallel import is_main_process
 
-    # Progress bars on a terminal; in a log (stdout not a terminal), one line per configuration. Stderr
-    # carries only the one-line errors.
+    quiet = quiet or not is_main_process()  # launched processes: only the first one speaks
     reporter = None
-    if not as_json:
-        reporter = (
-            RichReporter(stderr) if stderr.is_terminal else LineReporter() if not stdout.is_terminal else None
-        )
+    if not (quiet or as_json):
+        reporter = RichReporter(stderr) if stderr.is_terminal else LogReporter(stderr)
     with user_errors():
-        if model is None and not as_json:
-            default = evaluation.default_run()
+        if model is None and not (quiet or as_json):
+            description = evaluation.default_run().get("description", "demo")
             stderr.print(
-                f"No MODEL given: running the embedded default ({default.get('description', 'demo')}); "
-                "flags override its settings.",
-                highlight=False,
+                f"No MODEL given: the embedded default ({description}); flags override it.", highlight=False
             )
         results = evaluation.run(
             model,
             tasks=task,
             clusters=clusters,
-            mode=mode,
-            topk=topk,
+            mode=[item.value for item in mode] if mode else None,
             seeds=seeds,
+            attention=attention,
             data_dir=list(data_dir) if data_dir else None,
             max_length=max_length,
             batch_size=batch_size,
             device=device,
             limit=limit,
             output=output,
+            overwrite=overwrite,
             reporter=reporter,
         )
+    if not is_main_process():
+        raise typer.Exit(0 if results.ok else 2)
     if as_json:
         print(json.dumps(results.to_dict(), indent=2))
     else:
         stdout.print(results_table(results))
-        for result in results.tasks:
-            if result.ok:
-                stdout.print(
-                    f"{result.task}: read {result.source} ({result.examples} examples)", highlight=False
-                )
-        if output is not None:
-            stdout.print(f"wrote {output}/results.json, results.md, scores.png", highlight=False)
+        if not quiet:
+            for result in results.tasks:
+                if result.ok:
+                    stdout.print(
+                        f"{result.task}: read {result.source} ({result.examples} examples)", highlight=False
+                    )
+            if output is not None:
+                stdout.print(f"wrote {output}/results.json, results.md and scores.png", highlight=False)
     for result in results.failed:
         stderr.print(
             f"error: task {result.task}: {result.error}", markup=False, highlight=False, soft_wrap=True
@@ -167,72 +397,42 @@ def evaluate(
 
 
 @app.command()
+@attention_options
 def convert(
     model: Annotated[str, typer.Argument(help="Hub id or local checkpoint folder.")],
     output: Annotated[Path, typer.Argument(help="Folder to save the patched checkpoint to.")],
-    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = 25,
-    mode: ModeOpt = "i-clustered",
-    topk: TopkOpt = 32,
-    bits: Annotated[int, typer.Option("--bits", help="Hash bits per query (1..63).")] = 63,
-    iterations: Annotated[
-        int, typer.Option("--iterations", help="Lloyd iterations of Hamming K-means.")
-    ] = 10,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = 0,
-    min_length: Annotated[int, typer.Option("--min-length", help="Shorter rows use exact attention.")] = 0,
-    layers: Annotated[
-        str | None, typer.Option("--layers", help="Layer indices to patch: 0,1,2 (default all).")
-    ] = None,
-    backend: Annotated[str, typer.Option("--backend", help="auto, cpu, cuda or reference.")] = "auto",
+    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
+    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    overwrite: OverwriteOpt = False,
+    attention: dict[str, Any] | None = None,
 ) -> None:
     """Save a checkpoint patched with clustered attention (``import bert_cluster`` re-applies it on load)."""
     from bert_cluster import evaluation
-    from bert_cluster.config import ClusteredAttentionConfig
-    from bert_cluster.evaluation.errors import UserError
 
     with user_errors():
-        layer_list = None
-        if layers is not None:
-            parts = [part.strip() for part in layers.split(",")]
-            if not parts or not all(part.isdigit() for part in parts):
-                raise UserError(
-                    f"malformed layer list {layers!r}: give non-negative ints separated by commas"
-                )
-            layer_list = tuple(int(part) for part in parts)
-        config = ClusteredAttentionConfig(
-            clusters=clusters,
-            topk=topk,
-            bits=bits,
-            iterations=iterations,
-            mode=mode,
-            min_length=min_length,
-            seed=seed,
-            layers=layer_list,
-            backend=backend,
-        )
-        saved = evaluation.convert_checkpoint(model, output, config)
+        fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
+        settings = {
+            "min_length": "auto",
+            **(attention or {}),
+            "clusters": clusters,
+            "mode": mode.value,
+            "seed": seed,
+        }
+        config = ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+        saved = evaluation.convert_checkpoint(model, output, config, overwrite=overwrite)
     stdout.print(
         f"saved {saved} ({config.mode}, C={config.clusters}, topk={config.topk}, seed={config.seed})",
         highlight=False,
     )
 
 
-def _build_info() -> dict[str, Any]:
-    from bert_cluster.evaluation.errors import UserError
-
-    try:
-        from bert_cluster._loader import build_info
-    except ImportError as error:
-        raise UserError(
-            f"build information is not available in this version (bert_cluster._loader: {error})"
-        ) from None
-    return build_info()
-
-
 @app.command()
 def info(as_json: JsonOpt = False) -> None:
     """Versions, kernel build status and each backend's availability."""
-    with user_errors():
-        data = _build_info()
+    import bert_cluster
+
+    data = bert_cluster.info()
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
@@ -273,18 +473,20 @@ def kernels_build(
 
 @app.command("ls")
 def list_tasks(as_json: JsonOpt = False) -> None:
-    """List the tasks (configs/tasks/**/*.yaml)."""
-    from bert_cluster.evaluation.tasks import load_tasks
+    """List the tasks (configs/tasks/**/*.yaml); files that do not load are named on stderr."""
+    from bert_cluster.evaluation.tasks import load_catalog
 
     with user_errors():
-        tasks = load_tasks()
+        catalog = load_catalog()
+    for problem in catalog.problems:
+        stderr.print(f"warning: {problem}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        print(json.dumps([task.to_dict() for task in tasks.values()], indent=2))
+        print(json.dumps([task.to_dict() for task in catalog.tasks.values()], indent=2))
         return
     table = Table(title="tasks")
-    for column in ("task", "kind", "metrics", "description"):
-        table.add_column(column)
-    for task in tasks.values():
+    for name in ("task", "kind", "metrics", "description"):
+        table.add_column(name)
+    for task in catalog.tasks.values():
         table.add_row(task.name, task.kind, ", ".join(m.display for m in task.metrics), task.description)
     stdout.print(table)
 
@@ -295,37 +497,39 @@ def validate(
         list[Path] | None, typer.Argument(help="Task YAML files (default: all in configs/tasks).")
     ] = None,
 ) -> None:
-    """Check task YAML files: every one must load into a valid TaskConfig with a known kind."""
+    """Check task YAML files: each must load into a TaskConfig its kind accepts (fields, options, metrics)."""
     from bert_cluster.evaluation.errors import UserError
-    from bert_cluster.evaluation.runner import load_kinds
-    from bert_cluster.evaluation.tasks import load_task_file, load_tasks, task_files
+    from bert_cluster.evaluation.kinds import get_kind
+    from bert_cluster.evaluation.tasks import load_catalog, load_task_file
 
-    kinds = load_kinds()
-    files = list(paths) if paths else task_files()
-    problems = []
-    for path in files:
+    problems: list[str] = []
+    with user_errors():
+        if paths:
+            tasks = []
+            for path in paths:
+                try:
+                    tasks.append(load_task_file(path))
+                except UserError as error:
+                    problems.append(str(error))
+        else:
+            catalog = load_catalog()
+            tasks, problems = list(catalog.tasks.values()), list(catalog.problems)
+    for task in tasks:
         try:
-            task = load_task_file(path)
-            if task.kind not in kinds:
-                raise UserError(f"{path}: unknown kind {task.kind!r}; known: {', '.join(sorted(kinds))}")
+            get_kind(task)
         except UserError as error:
-            problems.append(str(error))
-    if not paths:
-        try:
-            load_tasks()  # also catches duplicated task names
-        except UserError as error:
-            problems.append(str(error))
+            problems.append(f"{task.source}: {error}")
     for problem in problems:
         stderr.print(f"error: {problem}", markup=False, highlight=False, soft_wrap=True)
     if problems:
         raise typer.Exit(2)
-    stdout.print(f"{len(files)} task file(s) valid", highlight=False)
+    stdout.print(f"{len(tasks)} task file(s) valid", highlight=False)
 
 
 def main() -> None:
-    """Entry point of the ``bert-cluster`` script."""
+    """Entry point of the ``bert-cluster`` script and of ``python -m bert_cluster``."""
     app()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -104,15 +104,31 @@ class _KernelBackend(Backend):
             )
         return reasons
 
+    #: The dispatch key whose kernels ``_C`` must register (``CPU`` or ``CUDA``).
+    DISPATCH_KEY: ClassVar[str]
+
+    @classmethod
+    def _kernels_available(cls) -> tuple[bool, str]:
+        from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
+
+        state = ops.load_kernels()
+        if not state["loaded"]:
+            return False, state["reason"]
+        missing = ops.missing_kernels(cls.DISPATCH_KEY)
+        if missing:
+            return False, f"bert_cluster._C registered no {cls.DISPATCH_KEY} kernel for {', '.join(missing)}"
+        return True, ""
+
     hash_queries = _kernel_step("hash_queries")
     hamming_kmeans = _kernel_step("hamming_kmeans")
     group_queries = _kernel_step("group_queries")
     centroid_attention = _kernel_step("centroid_attention")
     topk_refine = _kernel_step("topk_refine")
     broadcast_clusters = _kernel_step("broadcast_clusters")
-    exact_attention = _kernel_step("exact_attention")
-    # Until kernels/cpu and kernels/cuda implement the op, the kernel backends run the reference's band.
-    banded_attention = staticmethod(reference.banded_attention)
+    banded_attention = _kernel_step("banded_attention")
+    # Exact attention on short rows is torch's SDPA in attention.py; no compiled op for it. Until
+    # attention.py stops asking the backend for it, the kernel backends answer with the reference.
+    exact_attention = staticmethod(reference.exact_attention)
 
 
 class CpuKernelBackend(_KernelBackend):
@@ -120,13 +136,12 @@ class CpuKernelBackend(_KernelBackend):
 
     name = "cpu"
     SUPPORTED_DEVICES = frozenset({"cpu"})
+    DISPATCH_KEY = "CPU"
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Available when ``bert_cluster._C`` loaded (see ``_loader.load``)."""
-        from bert_cluster import _loader
-
-        return _loader.cpu_available()
+        """Available when ``bert_cluster._C`` loaded and registered every CPU kernel."""
+        return cls._kernels_available()
 
 
 class CudaKernelBackend(_KernelBackend):
@@ -134,13 +149,33 @@ class CudaKernelBackend(_KernelBackend):
 
     name = "cuda"
     SUPPORTED_DEVICES = frozenset({"cuda"})
+    DISPATCH_KEY = "CUDA"
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         """Available when ``_C`` was built with CUDA, registered its CUDA ops and a GPU is visible."""
-        from bert_cluster import _loader
+        from bert_cluster import ops
 
-        return _loader.cuda_available()
+        state = ops.load_kernels()
+        if state["loaded"] and not state["with_cuda"]:
+            return False, "bert_cluster._C was built without CUDA (rebuild with BERT_CLUSTER_BUILD_CUDA=1)"
+        ok, why = cls._kernels_available()
+        if ok and not torch.cuda.is_available():
+            return False, "no CUDA device visible to torch"
+        return ok, why
+
+    #: The largest head dim (Dk or Dv) the CUDA kernels take: refinement and the band keep a query's output
+    #: in registers (16 values per lane) and its query in shared memory.
+    MAX_HEAD_DIM: ClassVar[int] = 512
+
+    @classmethod
+    def not_supported_reasons(cls, *inputs: torch.Tensor) -> list[str]:
+        """As the other kernels, plus the head dims the CUDA kernels take (``auto`` then falls back)."""
+        reasons = super().not_supported_reasons(*inputs)
+        dims = [int(t.shape[-1]) for t in inputs if t.dim() == 4]
+        if any(d > cls.MAX_HEAD_DIM for d in dims):
+            reasons.append(f"head dims {sorted(set(dims))} above {cls.MAX_HEAD_DIM}, the CUDA kernels' limit")
+        return reasons
 
 
 #: Priority order for ``auto``: the first backend with no reasons wins.

@@ -5,30 +5,64 @@ function registered under the same name (``AttentionMaskInterface``); without a 
 attention receives ``attention_mask=None`` and padding is silently ignored. We register both under
 ``ATTENTION_NAME``. The settings live in ``model.config.clustered_attention`` (a plain dict, saved by
 ``save_pretrained``), and ``model.config.attn_implementation`` makes ``from_pretrained`` select this
-implementation again; see ``install_registration_hook`` for how that works without registering at import.
+implementation again; see ``bert_cluster._hook`` for how that works without registering at import.
+
+Which models qualify is read from the model itself: a text encoder (fed ``input_ids``) whose attention
+modules look their implementation up in ``ALL_ATTENTION_FUNCTIONS`` and are not causal. Global layers run
+(improved) clustered attention on the queries and keys the interface receives (after any rotary
+embedding); sliding-window layers (the keyword ``sliding_window``) run the exact band.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import logging
+import sys
+import threading
 from typing import Any
 
 import torch
 
-from bert_cluster.attention import clustered_attention
+from bert_cluster.attention import clustered_attention, windowed_attention
 from bert_cluster.config import ClusteredAttentionConfig
 
 ATTENTION_NAME = "bert_cluster"  # no "flash" (would import FlashAttention), no "/" (would mean a Hub kernel)
 SETTINGS_KEY = "clustered_attention"
 
-#: model_type values whose attention goes through transformers' AttentionInterface (checked on 5.24).
-SUPPORTED_FAMILIES = ("bert", "roberta", "distilbert", "electra", "albert", "xlm-roberta", "camembert")
-#: Families that share one attention module across layers: ``layers`` cannot select among them.
-SHARED_LAYER_FAMILIES = ("albert",)
+#: model_type values covered by the test suite (tests/families.py); any other family whose attention goes
+#: through the interface is converted too. Checked on transformers 5.24.
+TESTED_FAMILIES = (
+    "bert",
+    "roberta",
+    "distilbert",
+    "electra",
+    "albert",
+    "xlm-roberta",
+    "camembert",
+    "modernbert",
+    "nomic_bert",
+    "gte",
+    "jina_embeddings_v3",
+    "eurobert",
+    "ultrabert",
+    "neomme",
+    "xlm-roberta-xl",
+    "roberta-prelayernorm",
+    "xmod",
+    "roc_bert",
+    "ernie",
+    "esm",
+    "mobilebert",
+    "data2vec-text",
+    "bert-generation",
+)
 
 logger = logging.getLogger(__name__)
 _registered = False
 _warned_dropout = False
+_index_lock = threading.Lock()
 
 
 def register() -> None:
@@ -55,48 +89,106 @@ def key_padding_mask(
 ) -> torch.Tensor | None:
     """The mask transformers hands to ``attention_forward``: bool ``(batch, kv_length)``, True on real tokens.
 
-    Clustered attention needs per-row valid keys, not a 4-D bias. The mask is passed on even when
-    nothing is padded: testing that would be a host sync and a torch.compile graph break.
+    Clustered attention needs per-row valid keys, not a 4-D bias; a sliding window arrives separately as
+    the ``sliding_window`` keyword. The mask is passed on even when nothing is padded: testing that would
+    be a host sync and a torch.compile graph break.
     """
+    if kwargs.get("use_vmap"):  # set by transformers only when a model adds its own or/and mask function
+        raise ValueError(
+            "this model combines its attention mask with a mask function of its own, which a key-padding "
+            "mask cannot express; clustered attention does not support it"
+        )
     if attention_mask is None:
         return None
     return attention_mask[:, -kv_length:].to(torch.bool)
 
 
+# --- settings and layer indices ----------------------------------------------------------------------
+
+
 def _settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
-    """The patch settings stored on a model config, parsed once and cached on the dict's identity."""
+    """The patch settings stored on a model config, read on every call (so in-place edits take effect)."""
     stored = getattr(config, SETTINGS_KEY, None)
     if not isinstance(stored, dict):
         raise ValueError(
             f"attn_implementation={ATTENTION_NAME!r} needs config.{SETTINGS_KEY}; "
             "use bert_cluster.convert(model)"
         )
-    cached = _PARSED.get(id(stored))
-    if cached is not None and cached[0] is stored:
-        return cached[1], cached[2]
+    content = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in stored.items()))
+    try:
+        parsed = _PARSED.get(content)  # keyed by value, never by identity
+    except TypeError:  # an unhashable value: parsing says what is wrong with it
+        return _parse_settings(stored)
+    if parsed is None:
+        parsed = _parse_settings(stored)
+        if len(_PARSED) >= 256:
+            _PARSED.clear()
+        _PARSED[content] = parsed
+    return parsed
+
+
+_PARSED: dict[tuple, tuple[ClusteredAttentionConfig, str]] = {}
+
+
+def _parse_settings(stored: dict) -> tuple[ClusteredAttentionConfig, str]:
     settings = dict(stored)
     original = settings.pop("original_attn_implementation", "sdpa")
-    parsed = ClusteredAttentionConfig.from_dict(settings)
-    _PARSED[id(stored)] = (stored, parsed, original)
-    return parsed, original
+    try:
+        return ClusteredAttentionConfig.from_dict(settings), original
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"config.{SETTINGS_KEY} is invalid: {error}") from error
 
 
-_PARSED: dict[int, tuple[dict, ClusteredAttentionConfig, str]] = {}
-_FIRST_SEEN: dict[int, int] = {}  # id(config) -> attention modules seen so far (for modules without an index)
+def _layer_indices(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, int]]:
+    """Each attention module's layer index, from the model's structure: its ``layer_idx``, else its position.
+
+    Keyed by ``id(module)``; the same answer for a converted model and for its reloaded checkpoint.
+    """
+    indices = {}
+    for position, module in enumerate(_attention_modules(model)):
+        index = getattr(module, "layer_idx", None)
+        indices[id(module)] = (module, index if isinstance(index, int) else position)
+    return indices
 
 
 def _layer_index(module: torch.nn.Module) -> int:
-    """The layer a module computes: set by ``convert``, else ``layer_idx``, else order of first call."""
+    """The layer a module computes (set by ``convert``, or found from the running model on first call)."""
     index = getattr(module, "_bert_cluster_layer", None)
     if index is None:
         index = getattr(module, "layer_idx", None)
     if index is None:
-        # DistilBERT has no layer_idx; a reloaded model calls its layers in order, so first-seen order is it.
-        key = id(module.config)
-        index = _FIRST_SEEN.get(key, 0)
-        _FIRST_SEEN[key] = index + 1
-        module._bert_cluster_layer = index
+        index = _index_from_running_model(module)
     return int(index)
+
+
+@torch.compiler.disable
+def _index_from_running_model(module: torch.nn.Module) -> int:
+    """Index the modules of the model calling ``module`` (a checkpoint reloaded by ``from_pretrained``).
+
+    Some families (DistilBERT, GTE, nomic-bert, Jina v3) give their attention modules no ``layer_idx``, and a
+    reloaded model was not seen by ``convert``. The innermost ``PreTrainedModel`` running on this thread's
+    call stack holds the module; its structure gives every index at once, under a lock.
+    """
+    from transformers import PreTrainedModel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, PreTrainedModel):
+            indices = _layer_indices(owner)
+            if id(module) in indices:
+                with _index_lock:
+                    for found, index in indices.values():
+                        found._bert_cluster_layer = index
+                return indices[id(module)][1]
+        frame = frame.f_back
+    raise RuntimeError(
+        f"cannot tell which layer this {type(module).__name__} is: it was not called from a transformers "
+        "model; call bert_cluster.convert(model) on the model that holds it"
+    )
+
+
+# --- the attention function --------------------------------------------------------------------------
 
 
 def _valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
@@ -115,15 +207,38 @@ def _valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: in
     )
 
 
-def _original_forward(module: torch.nn.Module, name: str):
-    """The attention function a layer that is not patched keeps using, and the mask it expects."""
+def _original_attention(module, original, query, key, value, attention_mask, half_window, kwargs):
+    """Run a layer that is not patched as the unmodified model would: its implementation, its own mask."""
+    from transformers.masking_utils import (
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        bidirectional_mask_function,
+        sliding_window_bidirectional_mask_function,
+    )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if name == "eager":
-        import sys
-
-        return sys.modules[type(module).__module__].eager_attention_forward, "additive"
-    return ALL_ATTENTION_FUNCTIONS["sdpa" if name not in ALL_ATTENTION_FUNCTIONS else name], "bool"
+    if original == "eager":
+        function = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        original = original if original in ALL_ATTENTION_FUNCTIONS else "sdpa"
+        function = ALL_ATTENTION_FUNCTIONS[original]
+    mask = attention_mask
+    if attention_mask is None or attention_mask.dim() == 2:  # ours: rebuild the mask transformers would build
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[original](
+            batch_size=query.shape[0],
+            q_length=query.shape[-2],
+            kv_length=key.shape[-2],
+            mask_function=bidirectional_mask_function
+            if half_window is None
+            else sliding_window_bidirectional_mask_function(half_window),
+            attention_mask=attention_mask,
+            local_size=half_window,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=True,
+            dtype=query.dtype,
+            config=module.config,
+            device=query.device,
+        )
+    return function(module, query, key, value, mask, **kwargs)
 
 
 def attention_forward(
@@ -136,70 +251,145 @@ def attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``AttentionInterface`` entry: q, k, v ``(B, H, L, D)`` -> output ``(B, L, H, D)`` and no weights."""
+    """``AttentionInterface`` entry: q ``(B, H, L, D)``, k, v ``(B, Hkv, L, D)`` -> ``(B, L, H, D)``.
+
+    A ``sliding_window`` keyword (flash convention: half window + 1) makes the layer a banded one.
+    """
     global _warned_dropout
     config, original = _settings_of(module.config)
-    layer = _layer_index(module)
-    if kwargs.get("output_attentions"):
+    if kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
         raise ValueError(
-            "clustered attention computes no attention matrix: output_attentions is not supported"
+            "clustered attention computes no attention matrix: output_attentions is not supported "
+            "(set it to False in the call and in model.config)"
         )
-    batch, _, length, _ = query.shape
-    valid = _valid_from_mask(attention_mask, batch, key.shape[-2])
-    selected = config.layers is None or layer in config.layers
-    if not selected or key.shape[-2] != length:
-        fn, mask_kind = _original_forward(module, original)
-        mask = None
-        if valid is not None:
-            mask = valid[:, None, None, :]
-            if mask_kind == "additive":
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                    ~mask, torch.finfo(query.dtype).min
-                )
-        return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    window = kwargs.get("sliding_window")
+    half_window = None if window is None else int(window) - 1
+    layer = _layer_index(module)
+    batch, heads, length, _ = query.shape
+    if key.shape[-2] != length or (config.layers is not None and layer not in config.layers):
+        return _original_attention(
+            module, original, query, key, value, attention_mask, half_window,
+            {**kwargs, "scaling": scaling, "dropout": dropout},
+        )  # fmt: skip
     if dropout > 0 and not _warned_dropout:
         logger.warning("clustered attention applies no attention dropout (it is meant for inference)")
         _warned_dropout = True
-    out = clustered_attention(query, key, value, valid, config, scaling=scaling, layer=layer)
+    if key.shape[1] != heads:  # grouped-query attention: each key/value head serves a group of query heads
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    valid = _valid_from_mask(attention_mask, batch, length)
+    if half_window is not None:
+        out = windowed_attention(query, key, value, valid, half_window, config, scaling=scaling)
+    else:
+        out = clustered_attention(query, key, value, valid, config, scaling=scaling, layer=layer)
     return out.transpose(1, 2).contiguous(), None
 
 
+# --- which models qualify ----------------------------------------------------------------------------
+
+
+@functools.cache
+def _routes_through_interface(cls: type) -> bool:
+    """Whether a module class looks its attention function up in transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    if not issubclass(cls, torch.nn.Module) or cls.__module__.startswith("torch."):
+        return False
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+
+
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules in layer order (a shared module appears once)."""
-    found, seen = [], set()
+    """The attention modules that go through the interface, in layer order (a shared module appears once)."""
+    return [module for module in model.modules() if _routes_through_interface(type(module))]
+
+
+def _family(model: Any) -> str:
+    return f"{getattr(model.config, 'model_type', None)!r} ({type(model).__name__})"
+
+
+def _check_model(model: Any) -> list[torch.nn.Module]:
+    """The attention modules to patch, or the true reason why this model cannot be patched."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            "convert expects a transformers PreTrainedModel (e.g. from AutoModel.from_pretrained) or a "
+            f"sentence_transformers.SentenceTransformer, got {type(model).__name__}"
+        )
+    family = _family(model)
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        raise ValueError(
+            f"model family {family} is not a text encoder (it takes {model.main_input_name}); "
+            "bert-cluster patches text encoders"
+        )
+    config = model.config
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(
+            f"model family {family} is configured as a decoder (is_decoder / add_cross_attention); "
+            "clustered attention replaces bidirectional self-attention only"
+        )
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"model family {family} computes attention in its own code: none of its modules looks the "
+            "implementation up in transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), so clustered "
+            "attention cannot be plugged in"
+        )
+    if any(getattr(module, "is_causal", False) for module in modules):
+        raise ValueError(
+            f"model family {family} is a decoder: its attention is causal (is_causal=True); clustered "
+            "attention replaces bidirectional self-attention only"
+        )
+    return modules
+
+
+def _check_layers(model: Any, modules: list[torch.nn.Module], layers: tuple[int, ...] | None) -> None:
+    if layers is None:
+        return
+    family = _family(model)
+    depth = getattr(model.config, "num_hidden_layers", None)
+    if isinstance(depth, int) and len(modules) < depth:
+        raise ValueError(
+            f"model family {family} shares {len(modules)} attention module(s) across its {depth} layers, "
+            "so layers cannot select among them: pass layers=None"
+        )
+    known = sorted(index for _, index in _layer_indices(model).values())
+    bad = [index for index in layers if index not in known]
+    if bad:
+        raise ValueError(f"layer index(es) {bad} out of range: this model has layers {known[0]}..{known[-1]}")
+
+
+def _own_config(model: Any) -> None:
+    """Give the model a config object of its own, so a config shared with another model stays untouched."""
+    from transformers import PretrainedConfig
+
+    memo: dict[int, Any] = {}
+    copy.deepcopy(model.config, memo)
     for module in model.modules():
-        if id(module) in seen or not hasattr(module, "config"):
-            continue
-        name = type(module).__name__
-        if name.endswith(("SelfAttention", "Attention")) and hasattr(module, "forward"):
-            has_projection = any(hasattr(module, attr) for attr in ("query", "q_lin", "q_proj", "Wqkv"))
-            if has_projection:
-                found.append(module)
-                seen.add(id(module))
+        for name, value in vars(module).items():
+            if isinstance(value, PretrainedConfig) and id(value) in memo:
+                setattr(module, name, memo[id(value)])
+
+
+def _sentence_transformer_models(model: Any) -> list[Any] | None:
+    """The transformers models inside a sentence-transformers model (None for anything else)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    if not type(model).__module__.startswith("sentence_transformers"):
+        return None
+    from transformers import PreTrainedModel
+
+    found: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not any(module in outer.modules() for outer in found):
+            found.append(module)
+    if not found:
+        raise TypeError(f"this {type(model).__name__} holds no transformers model to patch")
     return found
 
 
-def _check_model(model: Any) -> None:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError as error:  # pragma: no cover - transformers is a dependency
-        raise TypeError("bert_cluster.convert needs transformers installed") from error
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(
-            f"convert expects a transformers PreTrainedModel (e.g. from AutoModel.from_pretrained), "
-            f"got {type(model).__name__}"
-        )
-    family = getattr(model.config, "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model family {family!r} does not route attention through transformers' AttentionInterface, so "
-            f"clustered attention cannot be plugged in; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    if getattr(model.config, "is_decoder", False) or getattr(model.config, "add_cross_attention", False):
-        raise ValueError(
-            "clustered attention replaces bidirectional self-attention; this model is configured as a "
-            "decoder (is_decoder / add_cross_attention), which it does not support"
-        )
+# --- the API -------------------------------------------------------------------------------------------
 
 
 def convert(
@@ -212,23 +402,38 @@ def convert(
     mode: str = "i-clustered",
     layers: list[int] | tuple[int, ...] | None = None,
     seed: int = 0,
-    min_length: int = 0,
+    min_length: int | str = "auto",
+    cluster_growth: float = ClusteredAttentionConfig.cluster_growth,
+    topk_growth: float = ClusteredAttentionConfig.topk_growth,
     backend: str = "auto",
     config: ClusteredAttentionConfig | None = None,
 ) -> Any:
-    """Patch a BERT-family model in place with (improved) clustered attention and return it.
+    """Patch an encoder in place with (improved) clustered attention and return it.
 
     Args:
-        model: a transformers ``PreTrainedModel`` of a supported family (BERT, RoBERTa, DistilBERT,
-            ELECTRA, ALBERT, XLM-R, CamemBERT).
-        clusters, topk, bits, iterations, mode, layers, seed, min_length, backend: see
-            ``ClusteredAttentionConfig``; ``layers`` indexes the model's attention layers.
-        config: a ready ``ClusteredAttentionConfig``; when given, the keyword settings are ignored.
+        model: a transformers ``PreTrainedModel`` whose attention goes through the ``AttentionInterface``
+            (BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT, XLM-R, CamemBERT, ModernBERT, nomic-bert, GTE,
+            Jina v3, EuroBERT, ...), or a ``sentence_transformers.SentenceTransformer`` (its transformer
+            module's model is patched).
+        clusters, topk, bits, iterations, mode, seed, min_length, cluster_growth, topk_growth, backend:
+            see ``ClusteredAttentionConfig``.
+        layers: indices of the attention layers to patch (the model's layer numbers), or None for all.
+            In hybrid models (ModernBERT) a selected sliding-window layer runs the exact band
+            (``windowed_attention``), a selected global layer clustered attention; unselected layers keep
+            the model's own implementation and mask.
+        config: a ready ``ClusteredAttentionConfig``, instead of the keyword settings.
 
-    Converting an already converted model replaces its settings; ``revert`` restores the
-    implementation the model had before the first ``convert``.
+    ``min_length`` defaults to ``"auto"`` here (``ClusteredAttentionConfig`` defaults to 0): rows too short
+    for clustering to pay on this machine run torch's SDPA, so a converted model is never slower than
+    the unmodified one; pass ``min_length=0`` to approximate every row longer than C.
+
+    The model gets a config object of its own (a config shared with another model is left alone).
+    Converting an already converted model replaces its settings; ``revert`` restores the implementation
+    the model had before the first ``convert``.
     """
     if config is None:
+        if layers is not None and not isinstance(layers, (str, bytes)) and len(layers) == 0:
+            raise ValueError("layers=[] patches no layer: pass None for all layers, or the indices to patch")
         config = ClusteredAttentionConfig(
             clusters=clusters,
             topk=topk,
@@ -238,33 +443,40 @@ def convert(
             layers=tuple(layers) if isinstance(layers, list) else layers,
             seed=seed,
             min_length=min_length,
+            cluster_growth=cluster_growth,
+            topk_growth=topk_growth,
             backend=backend,
         )
     elif not isinstance(config, ClusteredAttentionConfig):
-        raise TypeError(f"config must be a ClusteredAttentionConfig, got {type(config).__name__}")
-    _check_model(model)
-    modules = _attention_modules(model)
-    layer_count = getattr(model.config, "num_hidden_layers", None) or getattr(
-        model.config, "n_layers", len(modules)
-    )
-    if config.layers is not None:
-        if model.config.model_type in SHARED_LAYER_FAMILIES:
-            raise ValueError(
-                f"{model.config.model_type} shares one attention module across its layers, "
-                "so layers must be None"
-            )
-        bad = [i for i in config.layers if not 0 <= i < layer_count]
-        if bad:
-            raise ValueError(
-                f"layer index(es) {bad} out of range: this model has layers 0..{layer_count - 1}"
-            )
+        raise TypeError(
+            "config must be a bert_cluster.ClusteredAttentionConfig (for a dict d: "
+            f"ClusteredAttentionConfig.from_dict(d)), got {type(config).__name__}"
+        )
+    else:
+        given = dict(
+            clusters=clusters, topk=topk, bits=bits, iterations=iterations, mode=mode, layers=layers,
+            seed=seed, min_length=min_length, cluster_growth=cluster_growth, topk_growth=topk_growth,
+            backend=backend,
+        )  # fmt: skip
+        defaults = inspect.signature(convert).parameters
+        clash = [name for name, value in given.items() if value != defaults[name].default]
+        if clash:
+            raise TypeError(f"pass either config= or keyword settings, not both (got config= and {clash})")
+        if config.layers is not None and len(config.layers) == 0:
+            raise ValueError("layers=() patches no layer: use None for all layers, or the indices to patch")
+    inner = _sentence_transformer_models(model)
+    if inner is not None:
+        for transformer in inner:
+            convert(transformer, config=config)
+        return model
+    modules = _check_model(model)
+    _check_layers(model, modules, config.layers)
 
     register()
     previous = getattr(model.config, SETTINGS_KEY, None)
     current = model.config._attn_implementation
     original = previous.get("original_attn_implementation", "sdpa") if isinstance(previous, dict) else current
-    for index, module in enumerate(modules):
-        module._bert_cluster_layer = index
+    _own_config(model)
     setattr(
         model.config, SETTINGS_KEY, {**config.to_dict(), "original_attn_implementation": original or "sdpa"}
     )
@@ -272,15 +484,28 @@ def convert(
     if model.config._attn_implementation != ATTENTION_NAME:
         delattr(model.config, SETTINGS_KEY)
         raise ValueError(
-            f"transformers did not switch {type(model).__name__} to {ATTENTION_NAME!r}; "
-            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+            f"transformers did not switch model family {_family(model)} to {ATTENTION_NAME!r}: "
+            "it does not let this model change its attention implementation"
         )
     model.config.attn_implementation = ATTENTION_NAME  # public: saved in config.json, read by from_pretrained
+    for module, index in _layer_indices(model).values():
+        module._bert_cluster_layer = index
+    if model.config.model_type not in TESTED_FAMILIES:
+        logger.warning(
+            "model family %s routes its attention through the AttentionInterface, so it was converted, "
+            "but bert-cluster's tests do not cover it",
+            _family(model),
+        )
     return model
 
 
 def revert(model: Any) -> Any:
     """Switch a converted model back to the attention implementation it had before ``convert``."""
+    inner = _sentence_transformer_models(model)
+    if inner is not None:
+        for transformer in inner:
+            revert(transformer)
+        return model
     settings = getattr(getattr(model, "config", None), SETTINGS_KEY, None)
     if not isinstance(settings, dict):
         raise ValueError("this model was not converted by bert_cluster (no config.clustered_attention)")

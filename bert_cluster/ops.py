@@ -5,13 +5,16 @@ fake kernels) whether or not ``bert_cluster._C`` was built. ``kernels/cpu/*.cpp`
 ``kernels/cuda/*.cu`` only register implementations for these names. Each op has the name, argument
 order and output shapes of the matching function in ``bert_cluster.reference``.
 
-This module is imported lazily (by ``bert_cluster._loader`` and the kernel backends in
-``bert_cluster.dispatch``), never by ``import bert_cluster``.
+This module is imported lazily (by the kernel backends in ``bert_cluster.dispatch``), never by
+``import bert_cluster``. Import order, with no circle: ``_loader`` (imports ``_C``) <- ``ops`` (schemas,
+then ``_C``) <- ``dispatch`` (availability) <- ``_build`` (build facts, the build driver).
 """
 
 from __future__ import annotations
 
 import torch
+
+from bert_cluster import _loader
 
 NAMESPACE = "bert_cluster"
 
@@ -31,7 +34,6 @@ SCHEMAS: dict[str, str] = {
         "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) -> Tensor"
     ),
     "broadcast_clusters": "(Tensor centroid_values, Tensor assignments) -> Tensor",
-    "exact_attention": "(Tensor queries, Tensor keys, Tensor values, Tensor valid, float scaling) -> Tensor",
     "banded_attention": (
         "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor"
     ),
@@ -93,11 +95,6 @@ def _broadcast_clusters_fake(centroid_values, assignments):
     return centroid_values.new_empty((*assignments.shape, centroid_values.shape[-1]))
 
 
-@torch.library.register_fake(f"{NAMESPACE}::exact_attention")
-def _exact_attention_fake(queries, keys, values, valid, scaling):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
 @torch.library.register_fake(f"{NAMESPACE}::banded_attention")
 def _banded_attention_fake(queries, keys, values, valid, window, scaling):
     return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
@@ -110,12 +107,27 @@ _ops = getattr(torch.ops, NAMESPACE)
 _loaded = [False]  # whether _loader.load() ran: the CPU/CUDA implementations register when _C loads
 
 
+def load_kernels() -> dict:
+    """Import ``bert_cluster._C`` (once, after the schemas above exist); the loader's state."""
+    state = _loader.load()
+    _loaded[0] = True
+    return state
+
+
+def missing_kernels(dispatch_key: str) -> list[str]:
+    """The ops of ``KERNEL_OPS`` that ``_C`` registered no implementation for (``CPU`` or ``CUDA``).
+
+    Asked on every dispatch, so the answer is kept with the loader's state (registrations happen at load).
+    """
+    cache = load_kernels().setdefault("missing_kernels", {})
+    if dispatch_key not in cache:
+        cache[dispatch_key] = [op for op in KERNEL_OPS if not _loader.has_kernel(op, dispatch_key)]
+    return list(cache[dispatch_key])
+
+
 def _ensure_loaded() -> None:
     if not _loaded[0]:
-        from bert_cluster import _loader
-
-        _loader.load()
-        _loaded[0] = True
+        load_kernels()
 
 
 def hash_queries(queries: torch.Tensor, planes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -185,14 +197,6 @@ def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor)
     return _ops.broadcast_clusters.default(centroid_values, assignments)
 
 
-def exact_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """See ``reference.exact_attention``: float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.exact_attention.default(queries, keys, values, valid, float(scaling))
-
-
 def banded_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -208,7 +212,7 @@ def banded_attention(
 
 OPS = tuple(SCHEMAS)
 #: The ops whose compiled implementation is still to come: the kernel backends run the reference for them
-#: and ``_loader`` does not require them from ``_C``. Empty once kernels/ implements every op.
-PENDING_KERNELS = frozenset({"banded_attention"})
-#: The ops ``_C`` must register for the kernels to count as loaded.
+#: and the kernel backends do not require them from ``_C``. Empty: kernels/ implements every op.
+PENDING_KERNELS: frozenset[str] = frozenset()
+#: The ops ``_C`` must register (per device) for a kernel backend to count as available.
 KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)

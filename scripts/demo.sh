@@ -8,4 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh demo
 # shellcheck disable=SC1091
 . .venv/bin/activate
-bert-cluster evaluate --output results/demo "$@"
+# --overwrite: a second run replaces the first one's files (and nothing else) in results/demo.
+bert-cluster evaluate --output results/demo --overwrite "$@"

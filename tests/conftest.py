@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# datasets caches every file load_dataset reads: keep that cache in a temporary folder (tests write
+# nowhere else). Set before datasets is imported, which reads it once.
+_CACHE = tempfile.mkdtemp(prefix="bert-cluster-tests-")
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "datasets")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared"))
@@ -20,15 +29,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _private_cache(tmp_path_factory):
-    """What bert-cluster caches (long-position proxies) goes to a temporary folder, not the user's cache."""
-    previous = os.environ.get("BERT_CLUSTER_CACHE")
-    os.environ["BERT_CLUSTER_CACHE"] = str(tmp_path_factory.mktemp("bert-cluster-cache"))
-    yield
-    if previous is None:
-        os.environ.pop("BERT_CLUSTER_CACHE", None)
-    else:
-        os.environ["BERT_CLUSTER_CACHE"] = previous
+def _crossover_cache_in_a_temporary_folder(tmp_path_factory):
+    """min_length="auto" caches its measured crossover: in the tests, never in the user's cache folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BERT_CLUSTER_CACHE_DIR", str(tmp_path_factory.mktemp("bert-cluster-cache")))
+        yield
 
 
 @pytest.fixture(autouse=True)

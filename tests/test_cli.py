@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
+import helpers
 import pytest
 from typer.testing import CliRunner
 
-from bert_cluster.cli import app
+from bert_cluster import __version__
+from bert_cluster.cli import ATTENTION_OPTIONS, app
+from bert_cluster.config import BACKENDS, MODES
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
-
-_spec = importlib.util.spec_from_file_location(
-    "bc_eval_tiny", Path(__file__).parent / "evaluation" / "tiny.py"
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 runner = CliRunner()
 
@@ -32,9 +28,9 @@ def fake_results(failed: bool = False) -> Results:
         metrics=[("accuracy", "acc")],
     )
     task.runs = [
-        RunResult(None, None, {"accuracy": 60.0}, 1.0, 277.0),
-        RunResult(25, 0, {"accuracy": 59.0}, 2.0, 138.5),
-        RunResult(25, 1, {"accuracy": 61.0}, 2.0, 138.5),
+        RunResult(None, None, {"accuracy": 60.0}, 1.0, 277.0, 9000.0, 1.0, "sdpa"),
+        RunResult(25, 0, {"accuracy": 59.0}, 2.0, 138.5, 4500.0, 0.5, "cpu", "i-clustered"),
+        RunResult(25, 1, {"accuracy": 61.0}, 0.5, 554.0, 18000.0, 2.0, "cpu", "i-clustered"),
     ]
     tasks = [task]
     if failed:
@@ -49,7 +45,7 @@ def fake_results(failed: bool = False) -> Results:
         )
     return Results(
         tasks=tasks,
-        settings={"mode": "i-clustered", "seeds": [0, 1], "clusters": [25]},
+        settings={"modes": ["i-clustered"], "seeds": [0, 1], "clusters": [25]},
         environment={},
         started="now",
     )
@@ -67,42 +63,72 @@ def patched(monkeypatch):
     return calls
 
 
-def test_evaluate_passes_options_to_the_api_and_renders_a_table(patched, tmp_path):
+def test_evaluate_passes_options_to_the_api_and_renders_scores_beside_speed(patched, tmp_path):
     result = runner.invoke(
         app,
         [
             "evaluate",
             "some/model",
-            "--task",
-            "rte",
-            "--clusters",
-            "10,25",
-            "--seeds",
-            "2",
-            "--data-dir",
-            str(tmp_path),
-            "--data-dir",
-            "b",
-            "--limit",
-            "64",
-            "--topk",
-            "16",
-            "--mode",
-            "clustered",
-            "--batch-size",
-            "8",
-            "--max-length",
-            "128",
+            *("--task", "rte", "--clusters", "10,25", "--seeds", "2", "--limit", "64"),
+            *("--data-dir", str(tmp_path), "--data-dir", "b"),
+            *("--mode", "clustered", "--mode", "i-clustered", "--batch-size", "8", "--max-length", "128"),
+            *("--topk", "16", "--bits", "31", "--iterations", "3", "--min-length", "64"),
+            *("--layers", "0,2", "--backend", "reference", "--output", str(tmp_path / "o"), "--overwrite"),
         ],
     )
     assert result.exit_code == 0, result.output
     model, kwargs = patched[0]
     assert model == "some/model"
     assert kwargs["tasks"] == "rte" and kwargs["clusters"] == "10,25" and kwargs["seeds"] == 2
-    assert kwargs["data_dir"] == [tmp_path, Path("b")] and kwargs["limit"] == 64 and kwargs["topk"] == 16
-    assert kwargs["mode"] == "clustered" and kwargs["batch_size"] == 8 and kwargs["max_length"] == 128
+    assert kwargs["data_dir"] == [tmp_path, Path("b")] and kwargs["limit"] == 64
+    assert (
+        kwargs["mode"] == ["clustered", "i-clustered"]
+        and kwargs["batch_size"] == 8
+        and kwargs["max_length"] == 128
+    )
+    assert kwargs["attention"] == {
+        "topk": 16,
+        "bits": 31,
+        "iterations": 3,
+        "min_length": 64,
+        "layers": (0, 2),
+        "backend": "reference",
+    }
+    assert kwargs["output"] == tmp_path / "o" and kwargs["overwrite"] is True
     assert "60.00" in result.stdout and "60.00 ± 1.41 (+0.00)" in result.stdout
+    assert "1.25× (1.2 s)" in result.stdout  # speed beside the scores: mean speedup, mean wall time
     assert "read /d/RTE/dev.tsv" in result.stdout
+
+
+def test_attention_options_are_given_only_when_set(patched):
+    result = runner.invoke(app, ["evaluate", "m", "-t", "rte", "-q"])
+    assert result.exit_code == 0, result.output
+    assert patched[0][1]["attention"] == {} and patched[0][1]["reporter"] is None
+    assert "read /d/RTE" not in result.stdout and result.stderr == ""
+
+
+def test_every_shared_attention_setting_is_a_field_of_the_config():
+    import dataclasses
+
+    from bert_cluster.config import ClusteredAttentionConfig
+
+    fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
+    assert set(ATTENTION_OPTIONS) <= fields
+    assert fields - set(ATTENTION_OPTIONS) <= {"clusters", "mode", "seed"}  # the ones evaluate sweeps
+
+
+def test_help_lists_the_choices_and_version():
+    text = runner.invoke(app, ["evaluate", "--help"], env={"COLUMNS": "240"}).stdout
+    assert "|".join(MODES) in text and "|".join(BACKENDS) in text
+    for option in ("--topk", "--bits", "--iterations", "--min-length", "--layers", "--backend", "--quiet"):
+        assert option in text
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.stdout.strip() == f"bert-cluster {__version__}"
+
+
+def test_an_unknown_choice_exits_2():
+    result = runner.invoke(app, ["evaluate", "m", "--backend", "tpu"])
+    assert result.exit_code == 2 and "tpu" in result.output
 
 
 def test_evaluate_json_and_a_failed_task(patched):
@@ -120,6 +146,26 @@ def test_no_model_runs_the_embedded_default(patched):
     assert result.exit_code == 0 and patched[0][0] is None and patched[0][1]["tasks"] is None
 
 
+def test_ctrl_c_says_where_the_partial_results_are(monkeypatch, tmp_path):
+    from bert_cluster.evaluation import RunInterrupted
+
+    results = fake_results()
+    results.tasks[0].status = "interrupted"
+
+    def interrupted(model, **kwargs):
+        error = RunInterrupted(results)
+        error.written = tmp_path / "results.json"
+        raise error
+
+    monkeypatch.setattr("bert_cluster.evaluation.run", interrupted)
+    result = runner.invoke(app, ["evaluate", "m", "-t", "rte", "-o", str(tmp_path)])
+    assert result.exit_code == 130
+    assert (
+        result.stderr.strip()
+        == f"interrupted: partial results in {tmp_path}/results.json; task rte marked interrupted"
+    )
+
+
 def one_line_error(result, pattern: str) -> None:
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -128,7 +174,12 @@ def one_line_error(result, pattern: str) -> None:
     assert "Traceback" not in result.output
 
 
-def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_folder):
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return helpers.save_model(tmp_path_factory.mktemp("cli") / "cls")
+
+
+def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_folder, monkeypatch):
     one_line_error(
         runner.invoke(app, ["evaluate", str(tiny_folder), "--task", "rte,nope"]), "unknown task(s) nope"
     )
@@ -139,29 +190,72 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_folder):
     one_line_error(
         runner.invoke(app, ["evaluate", str(tmp_path / "gone"), "--task", "rte"]), "does not exist"
     )
+    one_line_error(
+        runner.invoke(app, ["evaluate", str(tiny_folder), "-t", "rte", "--max-length", "4096"]),
+        "--max-length 4096 is more than model",
+    )
+    one_line_error(
+        runner.invoke(app, ["evaluate", str(tiny_folder), "-t", "rte", "--bits", "99"]), "bits must be"
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
-    missing = runner.invoke(app, ["evaluate", str(tiny_folder), "--task", "rte", "--data-dir", str(empty)])
+    missing = runner.invoke(
+        app, ["evaluate", str(tiny_folder), "-q", "--task", "rte", "--data-dir", str(empty)]
+    )
     one_line_error(missing, f"looked at: {empty}/RTE/dev.tsv")
-
-
-def test_head_and_label_mismatches_exit_2(tmp_path, tiny_folder):
-    tiny.write_rte(tmp_path / "data", tiny.RTE_ROWS)
-    qa = tiny.save_model(tmp_path / "qa", head="qa", labels=None)
+    monkeypatch.setenv("BERT_CLUSTER_BACKEND", "fast")
     one_line_error(
-        runner.invoke(app, ["evaluate", str(qa), "-t", "rte", "--data-dir", str(tmp_path / "data")]),
+        runner.invoke(app, ["evaluate", str(tiny_folder), "-t", "rte"]), "BERT_CLUSTER_BACKEND='fast'"
+    )
+
+
+def test_a_bad_output_is_refused_before_any_work(tmp_path, tiny_folder, monkeypatch):
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the output was checked")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_load)
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", no_load)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "results.json").write_text("{}")
+    for arguments, message in (
+        (["evaluate", str(tiny_folder), "-t", "rte", "-o", str(afile)], "is a file"),
+        (["evaluate", str(tiny_folder), "-t", "rte", "-o", str(afile / "sub")], "is a file"),
+        (["evaluate", str(tiny_folder), "-t", "rte", "-o", str(full)], "is not empty (results.json)"),
+        (["convert", str(tiny_folder), str(afile)], "is a file"),
+        (["convert", str(tiny_folder), str(afile / "sub")], "is a file"),
+        (["convert", str(tiny_folder), str(full)], "is not empty"),
+    ):
+        one_line_error(runner.invoke(app, arguments), message)
+    assert (full / "results.json").read_text() == "{}"
+
+
+def test_progress_goes_to_stderr_as_plain_lines_and_results_to_stdout(tmp_path, tiny_folder):
+    helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
+    result = runner.invoke(
+        app, ["evaluate", str(tiny_folder), "-t", "rte", "-c", "2", "--data-dir", str(tmp_path / "data")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "[rte] unmodified: accuracy" in result.stderr and "[rte] i-clustered C=2 seed=0" in result.stderr
+    assert "[rte]" not in result.stdout and "speed" in result.stdout and "accuracy" not in result.stdout
+
+
+def test_head_and_label_mismatches_exit_2(tmp_path):
+    helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
+    qa = helpers.save_model(tmp_path / "qa", head="qa", labels=None)
+    one_line_error(
+        runner.invoke(app, ["evaluate", str(qa), "-q", "-t", "rte", "--data-dir", str(tmp_path / "data")]),
         "no trained sequence-classification head",
     )
-    wrong = tiny.save_model(tmp_path / "wrong", labels=("negative", "positive"))
+    wrong = helpers.save_model(tmp_path / "wrong", labels=("negative", "positive"))
     one_line_error(
-        runner.invoke(app, ["evaluate", str(wrong), "-t", "rte", "--data-dir", str(tmp_path / "data")]),
+        runner.invoke(app, ["evaluate", str(wrong), "-q", "-t", "rte", "--data-dir", str(tmp_path / "data")]),
         "do not match",
     )
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return tiny.save_model(tmp_path_factory.mktemp("cli") / "cls")
 
 
 def test_convert_saves_a_patched_checkpoint(tmp_path, tiny_folder):
@@ -172,22 +266,26 @@ def test_convert_saves_a_patched_checkpoint(tmp_path, tiny_folder):
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["clustered_attention"]["clusters"] == 3 and config["clustered_attention"]["seed"] == 7
+    assert config["clustered_attention"]["topk"] == 4
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    again = runner.invoke(
+        app, ["convert", str(tiny_folder), str(tmp_path / "out"), "--overwrite", "--bits", "8"]
+    )
+    assert again.exit_code == 0, again.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["clustered_attention"]["bits"] == 8
     one_line_error(
         runner.invoke(app, ["convert", str(tiny_folder), str(tmp_path / "o2"), "--clusters", "0"]),
         "clusters must be",
     )
-    one_line_error(
-        runner.invoke(app, ["convert", str(tiny_folder), str(tmp_path / "o3"), "--layers", "0,a"]),
-        "malformed layer list",
-    )
+    bad_layers = runner.invoke(app, ["convert", str(tiny_folder), str(tmp_path / "o3"), "--layers", "0,a"])
+    assert bad_layers.exit_code == 2 and "malformed layer list" in bad_layers.output
 
 
 def test_ls_and_validate():
     listed = runner.invoke(app, ["ls", "--json"])
     assert listed.exit_code == 0
     names = {task["name"] for task in json.loads(listed.stdout)}
-    assert {
+    expected = {
         "cola",
         "sst2",
         "mrpc",
@@ -199,22 +297,42 @@ def test_ls_and_validate():
         "rte",
         "wnli",
         "squad",
-        "squad_v2",
-    } <= names
+    }
+    assert expected | {"squad_v2", "stsb-embedding", "squad-retrieval"} <= names
     valid = runner.invoke(app, ["validate"])
     assert valid.exit_code == 0 and "valid" in valid.stdout
 
 
-def test_validate_reports_a_bad_file(tmp_path):
+def test_validate_reports_bad_kinds_and_metric_names(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nkind: nosuchkind\nversion: 1\n")
-    one_line_error(runner.invoke(app, ["validate", str(bad)]), "unknown kind 'nosuchkind'")
+    one_line_error(
+        runner.invoke(app, ["validate", str(bad)]), "has kind 'nosuchkind', which is not registered"
+    )
+    metric = tmp_path / "metric.yaml"
+    metric.write_text(
+        "name: x\nkind: classification\nversion: 1\ntext_fields: [a]\nlabel_field: l\nmetrics: [acuracy]\n"
+    )
+    one_line_error(runner.invoke(app, ["validate", str(metric)]), "unknown metric(s) ['acuracy']")
+
+
+def test_a_broken_file_is_named_and_blocks_nothing(tmp_path, monkeypatch):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "good.yaml").write_text(
+        "name: good\nkind: classification\nversion: 1\ntext_fields: [a]\nlabel_field: l\n"
+        "metrics: [accuracy]\n"
+    )
+    (tmp_path / "tasks" / "broken.yaml").write_text("name: [\n")
+    monkeypatch.setenv("BERT_CLUSTER_CONFIGS", str(tmp_path))
+    listed = runner.invoke(app, ["ls", "--json"])
+    assert listed.exit_code == 0 and [t["name"] for t in json.loads(listed.stdout)] == ["good"]
+    assert "broken.yaml" in listed.stderr
+    one_line_error(runner.invoke(app, ["validate"]), "broken.yaml")
+    monkeypatch.setenv("BERT_CLUSTER_CONFIGS", str(tmp_path / "nowhere"))
+    one_line_error(runner.invoke(app, ["ls"]), "does not exist")
 
 
 def test_info_prints_build_information():
     result = runner.invoke(app, ["info", "--json"])
-    if result.exit_code == 2:
-        assert "build information is not available" in result.stderr
-    else:
-        assert result.exit_code == 0, result.output
-        assert isinstance(json.loads(result.stdout), dict)
+    assert result.exit_code == 0, result.output
+    assert isinstance(json.loads(result.stdout), dict)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bert_cluster import ClusteredAttentionConfig
-from bert_cluster.config import CONFIG_VERSION
+from bert_cluster.config import CONFIG_VERSION, MAX_COUNT, MAX_ITERATIONS
 
 
 def test_round_trip_through_json_keeps_every_field():
@@ -18,6 +18,8 @@ def test_round_trip_through_json_keeps_every_field():
         iterations=3,
         mode="clustered",
         min_length=40,
+        cluster_growth=0,
+        topk_growth=0.25,
         seed=9,
         layers=[3, 1, 1],
         backend="reference",
@@ -42,7 +44,24 @@ def test_from_dict_refuses_unknown_keys_and_newer_versions():
         ("topk", -1, ValueError, "topk must be >= 1"),
         ("bits", 64, ValueError, r"bits must be in 1\.\.63"),
         ("iterations", 0, ValueError, "iterations must be >= 1"),
-        ("min_length", -2, ValueError, "min_length must be >= 0"),
+        ("min_length", -2, ValueError, "min_length must be >= 0 or 'auto', got -2"),
+        ("min_length", "fast", ValueError, "min_length must be an int or 'auto', got 'fast'"),
+        ("min_length", 2.5, TypeError, "min_length must be an int or 'auto'"),
+        (
+            "cluster_growth",
+            1.5,
+            ValueError,
+            r"cluster_growth must be a number in 0\.\.1 \(0: fixed, 1: linear",
+        ),
+        ("topk_growth", -0.1, ValueError, r"topk_growth must be a number in 0\.\.1"),
+        ("topk_growth", "sqrt", ValueError, r"topk_growth must be a number in 0\.\.1"),
+        # Counts that would overflow int64 arithmetic in the ops (measured before the bound: 2**63 passed
+        # convert and failed in the forward pass).
+        ("clusters", 2**63, ValueError, f"clusters must be <= {MAX_COUNT}, got {2**63}"),
+        ("topk", 2**63, ValueError, f"topk must be <= {MAX_COUNT}"),
+        ("iterations", 2**63, ValueError, f"iterations must be <= {MAX_ITERATIONS}"),
+        ("min_length", 2**63, ValueError, f"min_length must be <= {MAX_COUNT} or 'auto'"),
+        ("seed", 2**63, ValueError, "seed must be <= 9223372036854775807"),
         ("mode", "exact", ValueError, "mode must be one of i-clustered, clustered"),
         ("backend", "gpu", ValueError, "backend must be one of auto, cpu, cuda, reference"),
         ("layers", "0,1", TypeError, "layers must be None or a sequence of ints"),
@@ -58,3 +77,70 @@ def test_replace_validates_again():
     with pytest.raises(ValueError, match="clusters must be >= 1"):
         ClusteredAttentionConfig().replace(clusters=0)
     assert ClusteredAttentionConfig().replace(clusters=3).clusters == 3
+
+
+def test_the_largest_allowed_counts_run():
+    """The bounds are not just words: a config at every upper bound runs (short rows: exact attention)."""
+    import torch
+
+    from bert_cluster import clustered_attention
+
+    config = ClusteredAttentionConfig(
+        clusters=MAX_COUNT,
+        topk=MAX_COUNT,
+        iterations=MAX_ITERATIONS,
+        min_length=MAX_COUNT,
+        backend="reference",
+    )
+    q = torch.randn(1, 2, 40, 8)
+    out = clustered_attention(q, q, q, None, config)
+    assert torch.isfinite(out).all()
+    # Long rows with the largest topk and iterations: k is capped at the row's keys, K-means stops early.
+    config = ClusteredAttentionConfig(
+        clusters=3, topk=MAX_COUNT, iterations=MAX_ITERATIONS, backend="reference"
+    )
+    out = clustered_attention(q, q, q, None, config)
+    assert torch.isfinite(out).all()
+
+
+def test_min_length_auto_and_growth_round_trip():
+    config = ClusteredAttentionConfig(min_length="auto", cluster_growth=1, topk_growth=0.25)
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["min_length"] == "auto" and data["cluster_growth"] == 1.0 and data["topk_growth"] == 0.25
+    assert ClusteredAttentionConfig.from_dict(data) == config
+
+
+def test_version_1_dicts_keep_their_meaning():
+    """A config saved before length scaling existed used one cluster count at every length."""
+    old = {
+        "clusters": 25,
+        "topk": 32,
+        "bits": 63,
+        "iterations": 10,
+        "mode": "i-clustered",
+        "min_length": 0,
+        "seed": 0,
+        "layers": None,
+        "backend": "auto",
+        "version": 1,
+    }
+    config = ClusteredAttentionConfig.from_dict(old)
+    assert config.cluster_growth == 0 and config.topk_growth == 0
+    assert config.row_settings(16384) == (25, 32)
+    assert ClusteredAttentionConfig.from_dict({**old, "version": 2}).row_settings(16384) == (336, 181)
+
+
+def test_row_settings_change_nothing_up_to_512_tokens_and_grow_as_documented_after():
+    config = ClusteredAttentionConfig(clusters=25, topk=32)
+    for length in (1, 25, 128, 384, 512):
+        assert config.row_settings(length) == (25, 32)
+    # The figures of the ClusteredAttentionConfig docstring.
+    assert [config.row_settings(n) for n in (1024, 2048, 8192, 16384)] == [
+        (42, 45),
+        (71, 64),
+        (200, 128),
+        (336, 181),
+    ]
+    assert ClusteredAttentionConfig(cluster_growth=0, topk_growth=0).row_settings(8192) == (25, 32)
+    assert ClusteredAttentionConfig(cluster_growth=1, topk_growth=1).row_settings(8192) == (400, 512)
+    assert ClusteredAttentionConfig(clusters=2**31 - 1, cluster_growth=1).row_settings(10**6)[0] == 2**31 - 1

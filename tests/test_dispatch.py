@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from bert_cluster import _loader, dispatch
+from bert_cluster import _build, _loader, dispatch
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_priority_and_registry() -> None:
 def test_auto_picks_cpu_kernels_when_built(monkeypatch) -> None:
     monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
     monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
-    ok, why = _loader.cpu_available()
+    ok, why = dispatch.CpuKernelBackend.is_available()
     if not ok:
         pytest.skip(f"CPU kernels not built: {why}")
     x = torch.zeros(1, 1, 4, 8)
@@ -111,7 +111,7 @@ def test_stale_build_is_reported(fresh_loader, monkeypatch) -> None:
 def test_other_import_error_is_reported(fresh_loader, monkeypatch) -> None:
     _fail_import(monkeypatch, ImportError("libgomp.so.1: cannot open shared object file"))
     with pytest.warns(RuntimeWarning, match="import error: libgomp"):
-        ok, why = _loader.cpu_available()
+        ok, why = dispatch.CpuKernelBackend.is_available()
     assert not ok and why.startswith("import error")
 
 
@@ -125,7 +125,7 @@ def test_disabled_kernels_do_not_warn(fresh_loader, monkeypatch) -> None:
 
 
 def test_build_info_reports_everything() -> None:
-    info = _loader.build_info()
+    info = _build.build_info()
     for key in (
         "torch",
         "torch_cuda",
@@ -146,7 +146,48 @@ def test_build_info_reports_everything() -> None:
 
 
 def test_build_kernels_needs_a_source_checkout(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(_loader, "_ROOT", tmp_path)
-    result = _loader.build_kernels()
+    monkeypatch.setattr(_build, "_ROOT", tmp_path)
+    result = _build.build_kernels()
     assert result["ok"] is False and "no setup.py" in result["log"]
     assert result["cpu_ops"] == [] and result["cuda_ops"] == []
+
+
+def test_loader_imports_nothing_from_the_package() -> None:
+    """No import circle: _loader <- ops <- dispatch <- _build, and _loader imports only _C."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(_loader))
+    top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [alias.name for node in top_level for alias in node.names] + [
+        node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)
+    ]
+    assert not any(name.startswith("bert_cluster") for name in names), names
+    # the old names stay importable for callers that have not moved to bert_cluster._build
+    from bert_cluster._loader import build_info, build_kernels
+
+    assert build_info is _build.build_info and build_kernels is _build.build_kernels
+
+
+def test_registered_kernels_are_checked_per_device(fresh_loader, monkeypatch) -> None:
+    """A _C that loads but lacks an op's kernel for a device: that backend is unavailable, naming the op."""
+    from bert_cluster import ops
+
+    real = _loader.has_kernel
+    monkeypatch.setattr(_loader, "has_kernel", lambda op, key: op != "topk_refine" and real(op, key))
+    state = ops.load_kernels()
+    if not state["loaded"]:
+        pytest.skip(f"CPU kernels not built: {state['reason']}")
+    ok, why = dispatch.CpuKernelBackend.is_available()
+    assert not ok and "no CPU kernel for topk_refine" in why
+
+
+def test_cuda_declares_its_head_dim_limit() -> None:
+    """Head dims above 512 are a reason on the CUDA backend (auto then falls back), whatever the device."""
+    big = torch.zeros(1, 1, 2, 513)
+    reasons = dispatch.CudaKernelBackend.not_supported_reasons(big)
+    assert any("above 512" in reason for reason in reasons)
+    assert not any(
+        "above 512" in r for r in dispatch.CudaKernelBackend.not_supported_reasons(torch.zeros(1, 1, 2, 512))
+    )
+    assert not any("above 512" in r for r in dispatch.CpuKernelBackend.not_supported_reasons(big))

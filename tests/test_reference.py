@@ -334,3 +334,245 @@ def test_banded_attention_memory_is_linear_in_n() -> None:
         R.banded_attention(q, k, v, valid, window, 0.5)
     largest = max(event.cpu_memory_usage for event in prof.key_averages())
     assert largest < n * n * 4 // 16, f"largest allocation {largest} bytes suggests an (N, N) matrix"
+
+
+# --- non-finite numbers and padding (issue 11, items 4 and 5) ---------------------------------------
+
+
+def poisoned(tensor: torch.Tensor, valid: torch.Tensor, fill: float) -> torch.Tensor:
+    """``tensor`` (R, H, N, D) with every padded position of ``valid`` set to ``fill``."""
+    return torch.where(valid[:, None, :, None], tensor, torch.full_like(tensor, fill))
+
+
+def padded_case(rows=3, n=40):
+    q, k, v = qkv(rows=rows, n=n)
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    valid[0, 30:] = False  # right
+    valid[1, :9] = False  # left
+    valid[2, [2, 11, 25]] = False  # holes
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf, 1e30])
+def test_each_step_ignores_whatever_padded_positions_hold(fill):
+    """Measured before the fix: nan in a padded query made every valid output of its row nan
+    (group_queries: 0 * nan), and nan in a padded value did the same through the centroid product."""
+    q, k, v, valid = padded_case()
+    pq, pk, pv = (poisoned(t, valid, fill) for t in (q, k, v))
+    planes, offsets = hash_planes(0, 0, 63, 16)
+    clean_hashes, bad_hashes = R.hash_queries(q, planes, offsets), R.hash_queries(pq, planes, offsets)
+    assert torch.equal(
+        clean_hashes[valid[:, None].expand_as(clean_hashes)], bad_hashes[valid[:, None].expand_as(bad_hashes)]
+    )
+    assignments, _ = R.hamming_kmeans(clean_hashes, valid, 5, 4, 63)
+    assert torch.equal(assignments, R.hamming_kmeans(bad_hashes, valid, 5, 4, 63)[0])
+    centroids, counts = R.group_queries(q, assignments, 5)
+    assert torch.equal(centroids, R.group_queries(pq, assignments, 5)[0])
+    clean = R.centroid_attention(centroids, k, v, valid, 6, SCALE)
+    bad = R.centroid_attention(centroids, pk, pv, valid, 6, SCALE)
+    for a, b in zip(clean, bad, strict=True):
+        assert torch.equal(a, b)
+    out = R.topk_refine(q, k, v, assignments, *clean, SCALE)
+    assert torch.equal(out, R.topk_refine(pq, pk, pv, assignments, *clean, SCALE))
+    assert torch.equal(R.broadcast_clusters(clean[0], assignments), R.broadcast_clusters(bad[0], assignments))
+    assert torch.equal(R.exact_attention(q, k, v, valid, SCALE), R.exact_attention(pq, pk, pv, valid, SCALE))
+    for window in (0, 3, 50):
+        assert torch.equal(
+            R.banded_attention(q, k, v, valid, window, SCALE),
+            R.banded_attention(pq, pk, pv, valid, window, SCALE),
+        )
+    # End to end, both modes, clustered and short rows (C=12 puts row 2 above, min_length below).
+    for cfg in (config(clusters=5, topk=6), config(clusters=5, mode="clustered"), config(min_length=100)):
+        expected = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+        got = clustered_attention(pq, pk, pv, valid, cfg, scaling=SCALE)
+        assert torch.equal(got, expected)
+        assert torch.isfinite(got).all() and got[~valid[:, None, :].expand(-1, 3, -1)].abs().max() == 0
+
+
+def nan_case(**change):
+    """One row of 40 valid tokens (and a fully padded second row) with one poisoned entry."""
+    q, k, v = qkv(rows=2, n=40)
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1] = False
+    for name, (position, value) in change.items():
+        {"q": q, "k": k, "v": v}[name][0, 1, position, 0] = value
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize(
+    "cfg", [config(clusters=4, topk=6), config(clusters=4, mode="clustered"), config(min_length=41)], ids=str
+)
+def test_non_finite_valid_inputs_give_nan_where_they_reach_and_nowhere_else(bad, cfg):
+    """Measured before the fix: the reference turned these into zeros (nan_to_num), the kernels into nan.
+
+    Other heads and rows never see the bad number, and the fully padded row (no valid key) stays zeros.
+    """
+
+    def untouched_elsewhere(out):
+        assert torch.isfinite(out[0, [0, 2]]).all() and out[1].abs().max() == 0
+
+    # A nan key: every output of its (row, head) (every centroid, and every exact row, scores every key).
+    # (An inf key is not checked here: its score is +inf or -inf by the sign of the query, and -inf is
+    # just a zero weight, as in SDPA.)
+    q, k, v, valid = nan_case(k=(7, math.nan))
+    out = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    assert out[0, 1].isnan().all()
+    untouched_elsewhere(out)
+    # A value: its feature column, in every output of its (row, head) (nan, or inf for an inf value).
+    q, k, v, valid = nan_case(v=(7, bad))
+    out = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    assert (~torch.isfinite(out[0, 1, :, 0])).all() and torch.isfinite(out[0, 1, :, 1:]).all()
+    untouched_elsewhere(out)
+    # A query: its own output, and (clustered rows) its cluster's: the other clusters stay finite.
+    q, k, v, valid = nan_case(q=(7, bad))
+    out = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    assert out[0, 1, 7].isnan().all()
+    assert torch.isfinite(out[0, 1]).all(-1).sum() >= 20
+    untouched_elsewhere(out)
+    # scaling: every valid output.
+    q, k, v, valid = nan_case()
+    out = clustered_attention(q, k, v, valid, cfg, scaling=bad)
+    assert (~torch.isfinite(out[0])).all() and out[1].abs().max() == 0
+
+
+def test_a_valid_key_scored_minus_inf_everywhere_is_nan_not_an_empty_row():
+    """Zeros are for rows with no valid key (decided from the mask), never for all -inf scores."""
+    q = torch.full((1, 1, 3, 2), -math.inf)
+    k = torch.ones(1, 1, 3, 2)
+    v = torch.randn(1, 1, 3, 2)
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    assert R.exact_attention(q, k, v, valid, 1.0).isnan().all()
+    assert R.banded_attention(q, k, v, valid, 1, 1.0).isnan().all()
+    assert R.exact_attention(q, k, v, torch.zeros_like(valid), 1.0).eq(0).all()
+
+
+def test_banded_attention_nan_reaches_only_the_queries_whose_band_holds_it():
+    n, window = 40, 2
+    q, k, v = qkv(rows=1, heads=1, n=n)
+    v[0, 0, 20, 1] = math.nan
+    k[0, 0, 30, 0] = math.nan
+    out = R.banded_attention(q, k, v, torch.ones(1, n, dtype=torch.bool), window, SCALE)
+    broken = ~torch.isfinite(out[0, 0])
+    sees_20 = (torch.arange(n) - 20).abs() <= window
+    sees_30 = (torch.arange(n) - 30).abs() <= window
+    assert broken[:, 1].eq(sees_20 | sees_30).all()  # value column 1: both
+    assert broken[:, 0].eq(sees_30).all()  # other columns: only the nan key's neighbours
+
+
+# --- head dims ------------------------------------------------------------------------------------
+
+
+def test_query_and_key_of_different_head_dims_get_one_clear_error():
+    q, _, v = qkv(n=30, dk=16)
+    k = torch.randn(2, 3, 30, 12)
+    message = "query and key must have the same head dim, got 16 and 12"
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    with pytest.raises(ValueError, match=message):
+        clustered_attention(q, k, v, None, config())
+    from bert_cluster.attention import windowed_attention
+
+    with pytest.raises(ValueError, match=message):
+        windowed_attention(q, k, v, None, 4, config())
+    with pytest.raises(ValueError, match=message):
+        R.exact_attention(q, k, v, valid, SCALE)
+    with pytest.raises(ValueError, match=message):
+        R.banded_attention(q, k, v, valid, 2, SCALE)
+    with pytest.raises(ValueError, match=message):
+        R.centroid_attention(q[:, :, :4], k, v, valid, 3, SCALE)
+
+
+# --- short rows: SDPA over the valid keys only; routing once per mask --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_short_rows_run_sdpa_over_their_valid_keys(dtype):
+    from bert_cluster.attention import exact_rows
+
+    q, k, v, valid = padded_case(rows=3, n=40)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    lengths = valid.sum(-1).tolist()
+    out = exact_rows(q, k, v, valid, lengths, False, SCALE)
+    assert out.dtype == dtype
+    expected = R.exact_attention(q, k, v, valid, SCALE)
+    # fp32: measured 3.0e-7; fp16/bf16: SDPA runs in the input dtype (measured 4.9e-4 / 3.9e-3).
+    tolerance = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    assert (out.float() - expected).abs().max() < tolerance
+    assert out[~valid[:, None, :].expand(-1, 3, -1)].abs().max() == 0
+    # Right padding only: the slicing path gives what the gathering path gives.
+    right = torch.arange(40)[None, :] < torch.tensor([[40], [31], [5]])
+    a = exact_rows(q, k, v, right, right.sum(-1).tolist(), True, SCALE)
+    b = exact_rows(q, k, v, right, right.sum(-1).tolist(), False, SCALE)
+    assert torch.equal(a, b)
+
+
+def test_short_rows_never_build_an_n_by_n_matrix():
+    """Before: exact attention over the whole padded N, an (R, H, N, N) fp32 matrix (12.9 GB per row at
+    N=16k, 12 heads). Now a short row costs its own valid length only."""
+    n = 8192
+    q = torch.randn(2, 1, n, 8)
+    valid = torch.zeros(2, n, dtype=torch.bool)
+    valid[0, :20] = True
+    valid[1, 100:130] = True
+    with torch.profiler.profile(profile_memory=True) as prof:
+        out = clustered_attention(q, q, q, valid, config(clusters=40), scaling=SCALE)
+    largest = max(event.cpu_memory_usage for event in prof.key_averages())
+    assert largest < n * n * 4 // 64, f"largest allocation {largest} bytes"
+    alone = R.exact_attention(
+        q[1:, :, 100:130], q[1:, :, 100:130], q[1:, :, 100:130], valid[1:, 100:130], SCALE
+    )
+    assert (out[1, :, 100:130] - alone[0]).abs().max() < 2e-6
+
+
+def test_routing_is_planned_once_per_mask_and_follows_in_place_edits(monkeypatch):
+    from bert_cluster import attention
+
+    calls = []
+    original = attention._make_plan
+    monkeypatch.setattr(attention, "_make_plan", lambda *a: calls.append(1) or original(*a))
+    q, k, v, valid = padded_case(rows=3, n=40)
+    cfg = config(clusters=12, topk=4)
+    first = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    for _ in range(3):  # the layers of one forward pass: the same mask tensor
+        assert torch.equal(clustered_attention(q, k, v, valid, cfg, scaling=SCALE), first)
+    assert len(calls) == 1
+    valid[0, :] = True  # edited in place: planned again, and the result follows
+    again = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    assert len(calls) == 2 and not torch.equal(again[0], first[0])
+    fresh = valid.clone()  # another tensor: planned again
+    clustered_attention(q, k, v, fresh, cfg, scaling=SCALE)
+    assert len(calls) == 3
+
+
+def test_hash_planes_are_cached_per_device():
+    a = hash_planes(3, 2, 63, 16, "cpu")
+    b = hash_planes(3, 2, 63, 16, torch.device("cpu"))
+    assert a[0] is b[0] and a[1] is b[1]
+
+
+# --- length scaling ---------------------------------------------------------------------------------
+
+
+def test_rows_of_different_lengths_use_their_own_cluster_counts():
+    """A batch of rows of different lengths: each row gives what it gives alone (its own C and k)."""
+    n = 1200
+    q, k, v = qkv(rows=3, heads=2, n=n, dk=8, dv=8)
+    valid = torch.ones(3, n, dtype=torch.bool)
+    valid[1, 600:] = False  # 600 tokens: C and k grown
+    valid[2, 300:] = False  # 300 tokens: unscaled
+    cfg = config(clusters=8, topk=4, iterations=3)
+    assert len({cfg.row_settings(int(length)) for length in valid.sum(-1)}) == 3
+    batched = clustered_attention(q, k, v, valid, cfg, scaling=SCALE)
+    for row in range(3):
+        keep = valid[row]
+        alone = clustered_attention(
+            q[row : row + 1, :, keep],
+            k[row : row + 1, :, keep],
+            v[row : row + 1, :, keep],
+            None,
+            cfg,
+            scaling=SCALE,
+        )
+        assert (batched[row : row + 1, :, keep] - alone).abs().max() < 1e-5
+    fixed = clustered_attention(q, k, v, valid, cfg.replace(cluster_growth=0, topk_growth=0), scaling=SCALE)
+    assert torch.equal(fixed[2], batched[2]) and not torch.equal(fixed[0], batched[0])

@@ -1,26 +1,35 @@
 """Evaluate a checkpoint unmodified and with clustered attention on GLUE, SQuAD and the demo tasks.
 
-``evaluate`` (also ``run``) is the API the CLI calls: it turns its arguments into a ``RunPlan``, runs
-it, optionally writes results.json / results.md / scores.png, and returns the ``Results``.
-Called with no model it runs the embedded default, ``configs/eval/default.yaml``.
+``evaluate`` (also ``run``) is the API the CLI calls: it checks every argument before any work, turns
+them into a ``RunPlan``, runs it (data-parallel under ``accelerate launch``), optionally writes
+results.json / results.md / scores.png, and returns the ``Results``. Called with no model it runs the
+embedded default, ``configs/eval/default.yaml``. ``TaskSession`` scores one configuration of one task
+at a time (scores and speed), for tools that search settings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bert_cluster.config import ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
+from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
 
 __all__ = [
+    "EVALUATION_DEFAULTS",
     "Results",
+    "RunInterrupted",
     "RunResult",
     "TaskConfig",
     "TaskResult",
+    "TaskSession",
     "UserError",
     "convert_checkpoint",
     "default_run",
@@ -30,24 +39,31 @@ __all__ = [
     "run",
 ]
 
+#: Where the evaluator's attention settings differ from ``convert``'s: it approximates every row longer
+#: than C tokens (no exact attention for short rows), since its job is to measure the approximation.
+EVALUATION_DEFAULTS: dict[str, Any] = {"min_length": 0}
+_ATTENTION_FIELDS = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
 _DEFAULT_KEYS = {
     "model",
     "tasks",
     "clusters",
     "mode",
-    "topk",
     "seeds",
     "limit",
     "batch_size",
     "max_length",
     "data_dir",
-    "description",
 }
 
 
 def default_run(path: str | Path | None = None) -> dict[str, Any]:
-    """The embedded default run (``configs/eval/default.yaml``) as a dict of ``evaluate`` arguments."""
+    """The embedded default run (``configs/eval/default.yaml``) as a dict of ``evaluate`` arguments.
+
+    Keys naming a ``ClusteredAttentionConfig`` field (``topk``, ``bits``, ...) go to ``attention``.
+    """
     import yaml
+
+    from bert_cluster.evaluation.modeling import default_model_path, resolve_model
 
     path = Path(path) if path is not None else config_root() / "eval" / "default.yaml"
     if not path.is_file():
@@ -55,19 +71,51 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the default run must be a mapping")
-    unknown = sorted(set(raw) - _DEFAULT_KEYS)
+    allowed = _DEFAULT_KEYS | (_ATTENTION_FIELDS - {"mode", "clusters", "seed"}) | {"description"}
+    unknown = sorted(set(raw) - allowed)
     if unknown:
-        raise UserError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(_DEFAULT_KEYS)}")
+        raise UserError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
     model = raw.get("model")
-    from bert_cluster.evaluation import embedding
-
-    raw["model"] = (
-        str(embedding.default_model_path()) if model in (None, "default") else embedding.resolve_model(model)
-    )
+    raw["model"] = str(default_model_path()) if model in (None, "default") else resolve_model(model)
+    swept = {"mode", "clusters", "seed"}
+    raw["attention"] = {key: raw.pop(key) for key in list(raw) if key in _ATTENTION_FIELDS - swept}
     return raw
+
+
+def _attention(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None, defaults: Mapping[str, Any]
+) -> ClusteredAttentionConfig:
+    """A config object as given; a mapping (or None) over the evaluator's and the default run's settings."""
+    if isinstance(attention, ClusteredAttentionConfig):
+        return attention
+    if attention is not None and not isinstance(attention, Mapping):
+        raise UserError(
+            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
+        )
+    settings = {**EVALUATION_DEFAULTS, **defaults, **(attention or {})}
+    try:
+        return ClusteredAttentionConfig.from_dict(settings)
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
+
+
+def _check_positions(model: str, max_length: int | None) -> None:
+    """``max_length`` against a local checkpoint's positions, from its config.json (no model load)."""
+    from bert_cluster.evaluation.modeling import max_positions
+
+    config_file = Path(model).expanduser() / "config.json"
+    if max_length is None or not config_file.is_file():
+        return
+    try:
+        config = SimpleNamespace(**json.loads(config_file.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return  # the load itself will say what is wrong with the file
+    positions = max_positions(config)
+    if positions is not None and max_length > positions:
+        raise UserError(f"--max-length {max_length} is more than model {model} takes ({positions} positions)")
 
 
 def evaluate(
@@ -75,129 +123,143 @@ def evaluate(
     tasks: str | Sequence[str] | None = None,
     clusters: int | str | Sequence[int] | None = None,
     *,
-    mode: str | None = None,
-    topk: int | None = None,
+    mode: str | Sequence[str] | None = None,
     seeds: int | Sequence[int] | None = None,
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None = None,
     data_dir: str | Path | Sequence[str | Path] | None = None,
     max_length: int | None = None,
     batch_size: int | None = None,
     device: str = "cpu",
     limit: int | None = None,
     output: str | Path | None = None,
-    attention: ClusteredAttentionConfig | None = None,
+    overwrite: bool = False,
     reporter: Any = None,
 ) -> Results:
-    """Score ``model`` unmodified and patched with clustered attention at every cluster count.
+    """Score ``model`` unmodified and patched with clustered attention in every configuration.
 
     Args:
-        model: hub id or local folder; ``{task}`` in it is replaced by each task's name (one checkpoint
-            per task). None: the embedded default run (its YAML fills every argument left as None).
+        model: hub id, local folder or ``package:NAME``; ``{task}`` in it is replaced by each task's
+            name (one checkpoint per task). None: the embedded default run (its YAML fills every
+            argument left as None).
         tasks: task names (see ``bert-cluster ls``), a list or one comma-separated string.
         clusters: cluster counts C, e.g. ``[10, 25]`` or ``"10,25"`` (default 25).
-        mode: ``i-clustered`` (default) or ``clustered``.
-        topk: keys recomputed exactly per cluster (i-clustered; default 32).
+        mode: one mode or several (each is run at every C); default: the attention config's.
         seeds: N (seeds 0..N-1, default 1) or explicit seeds; each seeds the hash planes.
-        data_dir: folder(s) holding the tasks' files (searched one level down too); None: the hub.
+        attention: the other settings (topk, bits, iterations, min_length, layers, backend): a
+            ``ClusteredAttentionConfig`` used as it is, or a mapping of the settings to change from the
+            evaluator's defaults (``convert``'s, except ``min_length=0``: every row is approximated).
+        data_dir: folder(s) holding the tasks' files (searched one level down too); None: packaged
+            files, then the hub.
         max_length: truncation length; None: each task's default.
         batch_size: None: each task's default.
-        device: ``cpu`` or ``cuda``.
-        limit: score only the first N examples of each task.
-        output: folder for results.json, results.md and scores.png (None: write nothing).
-        attention: base settings (bits, iterations, min_length, layers, backend); ``clusters``, ``seed``
-            and, when given, ``mode`` / ``topk`` are set per run.
+        device: ``cpu`` or ``cuda`` (under ``accelerate launch``, each process takes its own GPU).
+        limit: score N examples per task (retrieval: N questions and a corpus cut in proportion).
+        output: folder for results.json, results.md and scores.png (None: write nothing); it must be
+            empty unless ``overwrite``.
+        overwrite: replace the files of an earlier run in ``output``.
         reporter: progress callbacks (``runner.Reporter``); None: silent.
 
     Raises:
-        UserError: a mistake in the arguments (unknown task, malformed clusters, missing model path).
-            Failures inside one task do not raise: the task is recorded as failed in the results.
+        UserError: a mistake in the arguments, found before any work. Failures inside one task do not
+            raise: the task is recorded as failed in the results.
+        RunInterrupted: Ctrl-C; ``.results`` holds what was measured (written to ``output`` first).
     """
     from bert_cluster.evaluation import report, runner
     from bert_cluster.evaluation.data import data_dirs
+    from bert_cluster.evaluation.modeling import check_model_path, resolve_model
+    from bert_cluster.evaluation.parallel import Workers
 
+    defaults: dict[str, Any] = {}
     if model is None:
-        default = default_run()
-        default.pop("description", None)
-        model = default["model"]
-        tasks = tasks if tasks is not None else default.get("tasks")
-        clusters = clusters if clusters is not None else default.get("clusters")
-        mode = mode if mode is not None else default.get("mode")
-        topk = topk if topk is not None else default.get("topk")
-        seeds = seeds if seeds is not None else default.get("seeds")
-        limit = limit if limit is not None else default.get("limit")
-        batch_size = batch_size if batch_size is not None else default.get("batch_size")
-        max_length = max_length if max_length is not None else default.get("max_length")
-        data_dir = data_dir if data_dir is not None else default.get("data_dir")
+        defaults = default_run()
+        model = defaults["model"]
+        tasks = tasks if tasks is not None else defaults.get("tasks")
+        clusters = clusters if clusters is not None else defaults.get("clusters")
+        mode = mode if mode is not None else defaults.get("mode")
+        seeds = seeds if seeds is not None else defaults.get("seeds")
+        limit = limit if limit is not None else defaults.get("limit")
+        batch_size = batch_size if batch_size is not None else defaults.get("batch_size")
+        max_length = max_length if max_length is not None else defaults.get("max_length")
+        data_dir = data_dir if data_dir is not None else defaults.get("data_dir")
     if tasks is None or (not isinstance(tasks, str) and len(tasks) == 0):
         raise UserError("name the task(s) to run, e.g. --task rte,mrpc (bert-cluster ls lists them)")
-    for name, value in (
-        ("limit", limit),
-        ("batch_size", batch_size),
-        ("max_length", max_length),
-        ("topk", topk),
-    ):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise UserError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("limit", limit), ("batch_size", batch_size), ("max_length", max_length)):
+        if value is not None:
+            positive_int(name, value)
     task_configs = tuple(get_tasks(tasks if isinstance(tasks, str) else list(tasks)))
-    base = attention or ClusteredAttentionConfig()
-    try:
-        base = base.replace(**{k: v for k, v in (("mode", mode), ("topk", topk)) if v is not None})
-    except (TypeError, ValueError) as error:
-        raise UserError(str(error)) from None
-    model_text = str(model)
-    from bert_cluster.evaluation.modeling import check_model_path
-
-    for task in task_configs:
-        check_model_path(model_text.replace("{task}", task.name))
+    base = _attention(attention, defaults.get("attention", {}))
+    modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
+    device = runner.check_device(device)
     plan = runner.RunPlan(
-        model=model_text,
+        model=resolve_model(model),
         tasks=task_configs,
         clusters=runner.parse_clusters(clusters if clusters is not None else 25),
         seeds=runner.parse_seeds(seeds if seeds is not None else 1),
         attention=base,
+        modes=tuple(dict.fromkeys(modes)),
         data_dirs=tuple(data_dirs(data_dir)) if data_dir is not None else (),
         limit=limit,
         batch_size=batch_size,
         max_length=max_length,
-        device=runner.check_device(device),
+        device=device,
     )
-    partial = None if output is None else (lambda so_far: report.write(so_far, output))
-    results = runner.run_plan(plan, reporter, partial)
+    try:
+        configurations = plan.configurations()  # every mode, C and seed validated now, not mid-run
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
+    for backend in {config.backend for config in configurations}:
+        runner.attention_backend(base.replace(backend=backend), device)
+    for task in task_configs:
+        _check_positions(check_model_path(plan.model_for(task)), max_length)
     if output is not None:
+        report.check_output(output, overwrite)
+    workers = Workers(device)
+    main = workers.is_main and output is not None
+    partial = (lambda so_far: report.write(so_far, output)) if main else None
+    try:
+        results = runner.run_plan(plan, reporter, partial, workers)
+    except RunInterrupted as interrupted:
+        if main:
+            interrupted.written = report.write(interrupted.results, output)["results.json"]
+        raise
+    if main:
         report.write(results, output)
     return results
 
 
-#: The name the style guide's CLI calls (``evaluate.run``).
+#: The name the style guide's CLI calls (``evaluation.run``).
 run = evaluate
 
 
-def convert_checkpoint(model: str | Path, output: str | Path, config: ClusteredAttentionConfig) -> Path:
+def convert_checkpoint(
+    model: str | Path, output: str | Path, config: ClusteredAttentionConfig, overwrite: bool = False
+) -> Path:
     """Load ``model`` with the head its config names, patch it with ``config`` and save it to ``output``.
 
     The saved config.json carries the clustered-attention settings; ``import bert_cluster`` before
-    ``from_pretrained`` re-applies them.
+    ``from_pretrained`` re-applies them. ``output`` is checked before anything is loaded.
     """
-    import bert_cluster
-    from bert_cluster.evaluation.modeling import check_model_path, quiet_transformers
-
-    source = check_model_path(model)
     import transformers
 
+    import bert_cluster
+    from bert_cluster.evaluation.modeling import check_model_path, quiet
+    from bert_cluster.evaluation.report import check_output
+
+    source = check_model_path(model)
+    output = check_output(output, overwrite)
     try:
-        with quiet_transformers():
+        with quiet():
             hf_config = transformers.AutoConfig.from_pretrained(source)
             architecture = (hf_config.architectures or ["AutoModel"])[0]
             model_class = getattr(transformers, architecture, transformers.AutoModel)
             loaded = model_class.from_pretrained(source)
             tokenizer = transformers.AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot load model {source}: {first}") from None
+        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
     try:
         bert_cluster.convert(loaded, config=config)
     except (TypeError, ValueError) as error:
         raise UserError(f"cannot convert {source}: {error}") from None
-    output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     loaded.save_pretrained(output)
     tokenizer.save_pretrained(output)

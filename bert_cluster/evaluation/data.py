@@ -1,9 +1,11 @@
-"""Reading a task's evaluation split: local files first (GLUE TSV, HF parquet, SQuAD JSON), then the hub.
+"""Every task's rows through one call, ``datasets.load_dataset``: the user's files, packaged ones, the hub.
 
-Rows come back as dicts keyed by the task's canonical field names (those of the hub dataset), so a kind
-never needs to know which layout a file was in. ``find_local`` searches every data folder and the
-folders one level below it, so ``--data-dir ../shared/data`` serves ``glue/RTE/dev.tsv`` and
-``squad/dev-v1.1.json`` alike.
+Local files are read with the format's packaged builder (``csv``, ``parquet``, ``json``) and ``data_files=``;
+a task with no local file asks the hub with ``load_dataset(path, name, split=...)``. Rows come back as
+dicts keyed by the task's canonical field names (the hub dataset's), so a kind never needs to know which
+layout a file was in. ``find_local`` searches every data folder and the folders one level below it, so
+``--data-dir ../shared/data`` serves ``glue/RTE/dev.tsv`` and ``squad/dev-v1.1.json`` alike; files marked
+``packaged`` are looked for in ``bert_cluster/data`` after the user's folders.
 """
 
 from __future__ import annotations
@@ -11,17 +13,18 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.errors import UserError, one_line
 from bert_cluster.evaluation.tasks import LocalFile, TaskConfig
 
 #: Extra data folders, separated by ``os.pathsep``, searched after the ones passed explicitly.
 DATA_DIR_ENV = "BERT_CLUSTER_DATA_DIR"
+#: The demo's data files, shipped with the package (``scripts/make_demo_data.py`` writes them).
+PACKAGE_DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @dataclasses.dataclass
@@ -43,18 +46,19 @@ def data_dirs(explicit: Sequence[str | Path] | str | Path | None) -> list[Path]:
         if not folder.is_dir():
             raise UserError(f"data folder {folder} does not exist or is not a folder")
     env = os.environ.get(DATA_DIR_ENV, "")
-    folders += [Path(part).expanduser() for part in env.split(os.pathsep) if part]
-    return folders
+    return folders + [Path(part).expanduser() for part in env.split(os.pathsep) if part]
 
 
 def candidates(task: TaskConfig, folders: Sequence[Path]) -> list[tuple[str, LocalFile]]:
     """Every path pattern looked at, in search order, with the file spec it belongs to."""
-    patterns: list[tuple[str, LocalFile]] = []
-    for folder in folders:
-        for spec in task.data.files:
-            patterns.append((str(folder / spec.path), spec))
-            patterns.append((str(folder / "*" / spec.path), spec))
-    return patterns
+    patterns = [
+        (str(folder / prefix / spec.path), spec)
+        for folder in folders
+        for spec in task.data.files
+        if not spec.packaged
+        for prefix in ("", "*")
+    ]
+    return patterns + [(str(PACKAGE_DATA / spec.path), spec) for spec in task.data.files if spec.packaged]
 
 
 def find_local(task: TaskConfig, folders: Sequence[Path]) -> tuple[Path, LocalFile] | None:
@@ -67,77 +71,63 @@ def find_local(task: TaskConfig, folders: Sequence[Path]) -> tuple[Path, LocalFi
     return None
 
 
-def _select(task: TaskConfig, spec: LocalFile, header: list[str] | None, row: list[str]) -> dict[str, Any]:
-    wanted = [*task.text_fields, *([task.label_field] if task.label_field else [])]
-    out: dict[str, Any] = {}
-    for field in wanted:
-        column = spec.columns.get(field, field)
-        if isinstance(column, int):
-            index = column
-        else:
-            if header is None or column not in header:
-                raise UserError(f"column {column!r} (for {field!r}) not in the file's header {header}")
-            index = header.index(column)
-        try:
-            out[field] = row[index]
-        except IndexError:
-            raise UserError(f"a row has {len(row)} fields; {field!r} is in column {index}") from None
-    return out
+def _load_dataset(*args: Any, **kwargs: Any) -> Any:
+    """``datasets.load_dataset`` without its progress bars (the runner shows its own progress)."""
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
 
 
-def read_delimited(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, Any]]:
-    """GLUE TSV/CSV with quoting as the spec says (off for the sentence files: their quotes are text)."""
-    delimiter = "\t" if spec.format == "tsv" else ","
-    quoting = csv.QUOTE_MINIMAL if spec.quoting else csv.QUOTE_NONE
-    rows = []
-    with open(path, encoding=spec.encoding, newline="") as handle:
-        reader = csv.reader(handle, delimiter=delimiter, quoting=quoting)
-        header = next(reader, None) if spec.header else None
-        for number, row in enumerate(reader, start=2 if spec.header else 1):
-            if not row:
-                continue
-            try:
-                rows.append(_select(task, spec, header, row))
-            except UserError as error:
-                raise UserError(f"{path}, line {number}: {error}") from None
-    return rows
-
-
-def _plain(value: Any) -> Any:
-    """Arrays and structs from parquet as plain Python lists and dicts."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
-
-
-def read_parquet(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, Any]]:
-    """An HF parquet shard; columns renamed per the spec (usually nothing: they are the hub's names)."""
+def _read_delimited(path: Path, spec: LocalFile) -> Any:
+    """TSV/CSV as strings: quoting as the spec says (off for GLUE: its quotes are text), no NA guessing."""
+    import datasets
     import pandas as pd
 
-    frame = pd.read_parquet(path)
-    renames = {column: field for field, column in spec.columns.items() if isinstance(column, str)}
-    frame = frame.rename(columns=renames)
-    return [{key: _plain(value) for key, value in row.items()} for row in frame.to_dict(orient="records")]
+    options: dict[str, Any] = {
+        "sep": "\t" if spec.format == "tsv" else ",",
+        "quoting": csv.QUOTE_MINIMAL if spec.quoting else csv.QUOTE_NONE,
+        "encoding": spec.encoding,
+        "header": 0 if spec.header else None,
+    }
+    # Every column as a string: pandas would otherwise guess types per chunk (and read "NA" as missing).
+    first = pd.read_csv(path, nrows=1, **options)
+    names = [str(name) for name in first.columns]
+    if not spec.header:
+        options["column_names"] = names
+    features = datasets.Features({name: datasets.Value("string") for name in names})
+    return _load_dataset(
+        "csv",
+        data_files=str(path),
+        split="train",
+        features=features,
+        keep_default_na=False,
+        na_filter=False,
+        **options,
+    )
 
 
-def read_squad_json(path: Path) -> list[dict[str, Any]]:
+def _squad_rows(articles: Any, path: Path) -> list[dict[str, Any]]:
     """The official SQuAD JSON (v1.1 or v2.0) as flat rows shaped like the hub dataset."""
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-        articles = document["data"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise UserError(f"{path} is not a SQuAD JSON file ({type(error).__name__}: {error})") from None
     rows = []
     for article in articles:
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
-                answers = [] if qa.get("is_impossible") else qa.get("answers", [])
+        for paragraph in article["paragraphs"] or []:
+            for qa in paragraph["qas"] or []:
+                if not qa.get("id"):
+                    raise UserError(
+                        f"{path}: the question {qa.get('question')!r} (article {article.get('title')!r}) has "
+                        "no id; every SQuAD question needs one"
+                    )
+                answers = [] if qa.get("is_impossible") else qa.get("answers") or []
                 rows.append(
                     {
                         "id": qa["id"],
-                        "title": article.get("title", ""),
+                        "title": article.get("title") or "",
                         "context": paragraph["context"],
                         "question": qa["question"],
                         "answers": {
@@ -149,48 +139,80 @@ def read_squad_json(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One JSON object per line."""
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+def _retrieval_rows(path: Path) -> list[dict[str, Any]]:
+    """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows."""
+    paragraphs = _load_dataset("json", data_files=str(path), field="paragraphs", split="train")
+    questions = _load_dataset("json", data_files=str(path), field="questions", split="train")
+    context = dict(zip(paragraphs["id"], paragraphs["context"], strict=True))
+    return [
+        {
+            "id": row["id"],
+            "title": row["paragraph"].rsplit("/", 1)[0],
+            "passage_id": row["paragraph"],
+            "context": context[row["paragraph"]],
+            "question": row["question"],
+        }
+        for row in questions
+    ]
+
+
+def _rename(task: TaskConfig, spec: LocalFile, rows: list[dict[str, Any]], names: list[str]) -> list[dict]:
+    """Rows keyed by the task's fields; ``spec.columns`` maps a field to a column name or position."""
+    mapping = {}
+    for field, column in spec.columns.items():
+        if isinstance(column, int):
+            if not -len(names) <= column < len(names):
+                raise UserError(f"{field!r} is in column {column}, but the file has {len(names)} columns")
+            column = names[column]
+        elif column not in names:
+            raise UserError(f"column {column!r} (for {field!r}) is not in the file's columns {names}")
+        mapping[column] = field
+    wanted = [*task.text_fields, *([task.label_field] if task.label_field else [])]
+    missing = [field for field in wanted if field not in mapping.values() and field not in names]
+    if missing:
+        raise UserError(f"no column for {missing} among the file's columns {names}")
+    return [{mapping.get(key, key): value for key, value in row.items()} for row in rows]
 
 
 def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, Any]]:
-    """Read one local file in the spec's format."""
-    if spec.format in ("tsv", "csv"):
-        return read_delimited(path, task, spec)
-    if spec.format == "parquet":
-        return read_parquet(path, task, spec)
-    if spec.format == "squad-json":
-        return read_squad_json(path)
-    if spec.format == "jsonl":
-        return read_jsonl(path)
-    raise UserError(f"unknown data file format {spec.format!r}")  # tasks.py validates: unreachable
+    """Read one local file in the spec's format as rows keyed by the task's fields."""
+    try:
+        if spec.format in ("tsv", "csv"):
+            dataset = _read_delimited(path, spec)
+        elif spec.format == "parquet":
+            dataset = _load_dataset("parquet", data_files=str(path), split="train")
+        elif spec.format in ("json", "jsonl"):
+            dataset = _load_dataset("json", data_files=str(path), split="train")
+        elif spec.format == "squad-json":
+            return _squad_rows(_load_dataset("json", data_files=str(path), field="data", split="train"), path)
+        else:  # retrieval-json; tasks.py allows nothing else
+            return _retrieval_rows(path)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a malformed file: say which, in one line
+        raise UserError(f"cannot read {path} as {spec.format}: {one_line(error)}") from None
+    try:
+        return _rename(task, spec, dataset.to_list(), dataset.column_names)
+    except UserError as error:
+        raise UserError(f"{path}: {error}") from None
 
 
 def load_hub(task: TaskConfig) -> Rows:
-    """``datasets.load_dataset`` for users who can reach the hub."""
+    """``datasets.load_dataset(path, name, split=...)`` for users who can reach the hub."""
     hub = task.data.hub
     assert hub is not None
-    import datasets
-
-    dataset = datasets.load_dataset(hub.path, hub.name, split=hub.split)
-    rows = [{key: _plain(value) for key, value in row.items()} for row in dataset]
+    dataset = _load_dataset(hub.path, hub.name, split=hub.split)
     name = f"/{hub.name}" if hub.name else ""
-    return Rows(rows=rows, source=f"hub:{hub.path}{name}:{hub.split}")
+    return Rows(rows=dataset.to_list(), source=f"hub:{hub.path}{name}:{hub.split}")
 
 
-def load_rows(
-    task: TaskConfig, folders: Sequence[str | Path] | str | Path | None = None, limit: int | None = None
-) -> Rows:
+def load_rows(task: TaskConfig, folders: Sequence[str | Path] | str | Path | None = None) -> Rows:
     """The task's evaluation rows, from the first local file found, else from the hub.
 
     Raises:
         UserError: nothing local and (no data folder was given and) the hub could not be read; the
             message names every path looked at.
     """
-    if limit is not None and limit < 1:
-        raise UserError(f"limit must be a positive number of examples, got {limit}")
     searched = data_dirs(folders)
     found = find_local(task, searched)
     if found is not None:
@@ -205,13 +227,10 @@ def load_rows(
         try:
             rows = load_hub(task)
         except Exception as error:  # noqa: BLE001 - any failure means: not reachable here
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(
                 f"no data for task {task.name}: {where}, and the hub dataset {task.data.hub.path} could not "
-                f"be loaded ({first}); pass --data-dir with the task's files"
+                f"be loaded ({one_line(error)}); pass --data-dir with the task's files"
             ) from None
-    if limit is not None:
-        rows.rows = rows.rows[:limit]
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")
     return rows

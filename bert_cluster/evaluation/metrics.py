@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 GLUE_METRICS = ("accuracy", "f1", "matthews_correlation", "pearson", "spearmanr")
+#: What ``squad_scores`` returns (the HasAns / NoAns subsets with ``version_2`` only).
+SQUAD_METRICS = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1")
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = frozenset(string.punctuation)

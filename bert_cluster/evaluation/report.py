@@ -2,8 +2,13 @@
 
 ``Results.to_dict()`` is the results.json schema (``schema_version`` bumps when it changes): the run's
 settings, the environment (package versions, hardware, git hash, date), and per task its version,
-status (``ok`` / ``failed`` with the error), the data file it read, and every run (the unmodified
-model, then one per cluster count and seed) with scores, wall time and examples per second.
+status (``ok``, ``failed`` with the error, or ``interrupted``), the data it read, and every run (the
+unmodified model, then one per mode, cluster count and seed) with its scores beside its speed: wall time
+of the model passes, examples/s, tokens/s, speedup over the unmodified model and the attention backend.
+
+Files are written atomically (a temporary file, then a rename) into a folder that was empty or that
+the user allowed to be overwritten; results.json lists the files written, so a later ``--overwrite``
+removes the earlier run's files that it does not write again, and nothing else.
 """
 
 from __future__ import annotations
@@ -17,40 +22,66 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+from bert_cluster.evaluation.errors import UserError, one_line
+
+SCHEMA_VERSION = 2
+#: The files a run writes (and the only ones ``--overwrite`` may remove).
+FILES = ("results.json", "results.md", "scores.png")
 _PACKAGES = (
     "bert-cluster",
     "torch",
     "transformers",
     "tokenizers",
     "datasets",
+    "sentence-transformers",
+    "accelerate",
     "numpy",
     "scipy",
     "scikit-learn",
-    "pandas",
-    "pyarrow",
 )
 
 
 @dataclasses.dataclass
 class RunResult:
-    """One configuration scored on one task: the unmodified model (``clusters`` None) or C + seed."""
+    """One configuration scored on one task: the unmodified model (``clusters`` None) or mode + C + seed.
+
+    ``wall_time_s`` is the time of the model passes over the task's batches after a warm-up batch (the
+    slowest process's, in a data-parallel run); ``speedup`` is the unmodified run's wall time over this
+    one's, on the same batches; ``backend`` is the attention that ran (``sdpa`` or whatever the model
+    used unmodified; ``cpu``, ``cuda`` or ``reference`` patched).
+    """
 
     clusters: int | None
     seed: int | None
     scores: dict[str, float]
     wall_time_s: float
     examples_per_s: float
+    tokens_per_s: float | None = None
+    speedup: float | None = None
+    backend: str | None = None
+    mode: str | None = None
+    processes: int = 1
     attention: dict[str, Any] | None = None  # ClusteredAttentionConfig.to_dict(); None: unmodified
 
     @property
+    def key(self) -> tuple[str, int] | None:
+        """``(mode, clusters)``: what seeds are averaged over; None for the unmodified run."""
+        return None if self.clusters is None else (self.mode or "", self.clusters)
+
+    @property
     def label(self) -> str:
-        """``unmodified`` or ``C=25 seed=0``."""
-        return "unmodified" if self.clusters is None else f"C={self.clusters} seed={self.seed}"
+        """``unmodified`` or ``i-clustered C=25 seed=0``."""
+        return "unmodified" if self.clusters is None else f"{self.mode} C={self.clusters} seed={self.seed}"
+
+
+def column(key: tuple[str, int], modes: int) -> str:
+    """A table column for ``(mode, C)``: ``C=25``, or ``clustered C=25`` when several modes ran."""
+    return f"C={key[1]}" if modes < 2 else f"{key[0]} C={key[1]}"
 
 
 @dataclasses.dataclass
@@ -60,13 +91,14 @@ class TaskResult:
     task: str
     kind: str
     version: int | None
-    status: str = "ok"  # "ok" or "failed"
+    status: str = "ok"  # "ok", "failed" or "interrupted"
     error: str | None = None
     model: str | None = None
     source: str | None = None
     examples: int = 0
     metrics: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, display)
     runs: list[RunResult] = dataclasses.field(default_factory=list)
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)  # e.g. corpus size, encoder modules
     config: dict[str, Any] | None = None  # the TaskConfig as loaded
 
     @property
@@ -80,17 +112,13 @@ class TaskResult:
         return next((run for run in self.runs if run.clusters is None), None)
 
     @property
-    def cluster_counts(self) -> list[int]:
-        """The cluster counts scored, ascending."""
-        return sorted({run.clusters for run in self.runs if run.clusters is not None})
+    def keys(self) -> list[tuple[str, int]]:
+        """The (mode, C) pairs scored, in mode then C order."""
+        return sorted({run.key for run in self.runs if run.key is not None})
 
-    def patched(self, metric: str, clusters: int) -> list[float]:
-        """One score per seed at ``clusters``."""
-        return [run.scores[metric] for run in self.runs if run.clusters == clusters and metric in run.scores]
-
-    def summary(self, metric: str, clusters: int) -> dict[str, float | int | None]:
+    def summary(self, metric: str, key: tuple[str, int]) -> dict[str, float | int | None]:
         """Mean, spread (sample standard deviation, None for one seed) and delta to unmodified."""
-        values = self.patched(metric, clusters)
+        values = [run.scores[metric] for run in self.runs if run.key == key and metric in run.scores]
         if not values:
             return {"mean": None, "std": None, "delta": None, "seeds": 0}
         mean = statistics.fmean(values)
@@ -100,6 +128,15 @@ class TaskResult:
             "std": statistics.stdev(values) if len(values) > 1 else None,
             "delta": None if base is None else mean - base,
             "seeds": len(values),
+        }
+
+    def speed(self, key: tuple[str, int]) -> dict[str, float | None]:
+        """Mean wall time and speedup over the seeds of ``key``."""
+        runs = [run for run in self.runs if run.key == key]
+        speedups = [run.speedup for run in runs if run.speedup is not None]
+        return {
+            "wall_time_s": statistics.fmean(run.wall_time_s for run in runs) if runs else None,
+            "speedup": statistics.fmean(speedups) if speedups else None,
         }
 
 
@@ -122,8 +159,13 @@ class Results:
 
     @property
     def failed(self) -> list[TaskResult]:
-        """The tasks that failed."""
+        """The tasks that failed (or were interrupted)."""
         return [task for task in self.tasks if not task.ok]
+
+    @property
+    def modes(self) -> int:
+        """How many attention modes were scored."""
+        return len({key[0] for task in self.tasks for key in task.keys})
 
     def __getitem__(self, task: str) -> TaskResult:
         for result in self.tasks:
@@ -138,7 +180,11 @@ class Results:
             entry = dataclasses.asdict(task)
             entry["metrics"] = [{"name": name, "display": display} for name, display in task.metrics]
             entry["summary"] = {
-                name: {str(c): task.summary(name, c) for c in task.cluster_counts} for name, _ in task.metrics
+                column(key, 2): {
+                    **{name: task.summary(name, key) for name, _ in task.metrics},
+                    "speed": task.speed(key),
+                }
+                for key in task.keys
             }
             tasks.append(entry)
         return {
@@ -177,19 +223,11 @@ def _git_hash() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
+        head, dirty = (
+            subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5, check=False
+            )
+            for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -209,7 +247,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device: str = "cpu") -> dict[str, Any]:
+def environment(device: str = "cpu", processes: int = 1) -> dict[str, Any]:
     """Package versions, hardware, git hash and date: what makes a results.json interpretable later."""
     import torch
 
@@ -225,16 +263,16 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
+        "processes": processes,
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         hardware["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    kernels: Any = None
     try:
-        from bert_cluster._loader import build_info
+        from bert_cluster import info
 
-        kernels = build_info()
+        kernels: Any = info()
     except Exception as error:  # noqa: BLE001 - informational only; never fail a run over it
-        kernels = f"unavailable: {type(error).__name__}: {error}"
+        kernels = f"unavailable: {type(error).__name__}: {one_line(error)}"
     return {
         "packages": versions,
         "hardware": hardware,
@@ -257,130 +295,238 @@ def format_cell(summary: Mapping[str, Any]) -> str:
 
 
 def table_rows(results: Results) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the summary table shared by results.md and the CLI."""
-    clusters = sorted({c for task in results.tasks for c in task.cluster_counts})
-    header = ["task", "metric", "unmodified", *[f"C={c}" for c in clusters]]
+    """Header and rows of the summary table shared by results.md and the CLI: scores, then speed."""
+    keys = sorted({key for task in results.tasks for key in task.keys})
+    header = ["task", "metric", "unmodified", *[column(key, results.modes) for key in keys]]
     rows = []
     for task in results.tasks:
-        if not task.ok and not task.runs:
-            rows.append([task.task, "failed", task.error or "", *[""] * len(clusters)])
-            continue
-        for name, display in task.metrics:
-            base = task.unmodified.scores.get(name) if task.unmodified else None
-            cells = [
-                format_cell(task.summary(name, c)) if c in task.cluster_counts else "-" for c in clusters
-            ]
-            rows.append([task.task, display, "-" if base is None else f"{base:.2f}", *cells])
+        base = task.unmodified
+        for name, display in task.metrics if task.runs else []:
+            value = base.scores.get(name) if base else None
+            cells = [format_cell(task.summary(name, key)) if key in task.keys else "-" for key in keys]
+            rows.append([task.task, display, "-" if value is None else f"{value:.2f}", *cells])
+        if base is not None:
+            cells = []
+            for key in keys:
+                speed = task.speed(key)
+                ok = speed["speedup"] is not None and speed["wall_time_s"] is not None
+                cells.append(f"{speed['speedup']:.2f}× ({speed['wall_time_s']:.1f} s)" if ok else "-")
+            rows.append([task.task, "speed", f"1.00× ({base.wall_time_s:.1f} s)", *cells])
         if not task.ok:
-            rows.append([task.task, "failed", task.error or "", *[""] * len(clusters)])
+            rows.append([task.task, task.status, task.error or "", *[""] * len(keys)])
     return header, rows
 
 
+def _table(header: list[str], rows: list[list[str]], right_from: int) -> list[str]:
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] * right_from + ["---:"] * (len(header) - right_from)) + "|",
+    ]
+    return lines + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+
+
 def markdown(results: Results) -> str:
-    """results.md: the table, the settings, where each task's data came from, the environment."""
+    """results.md: the table, speed per run, settings, where each task's data came from, environment."""
     header, rows = table_rows(results)
     seeds = results.settings.get("seeds") or []
+    min_length = (results.settings.get("attention") or {}).get("min_length")
     lines = [
         "# bert-cluster evaluation",
         "",
         f"Scores in points; patched cells are mean ± sample std over {len(seeds)} seed(s) {seeds}, "
-        "with the difference to the unmodified model in brackets.",
+        "with the difference to the unmodified model in brackets. Speed: the unmodified model's wall time "
+        "over the patched model's, on the same batches after a warm-up batch.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|",
+        f"Attention min_length = {min_length}: "
+        + (
+            "every row longer than C tokens is approximated (the evaluator measures the approximation; "
+            "rows of at most C tokens are exact by construction)."
+            if min_length == 0
+            else "rows shorter than that use exact attention, so they are not approximated."
+        ),
+        "",
+        *_table(header, rows, 2),
+        "",
+        "## Speed",
+        "",
     ]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    lines += [
-        "",
-        "## Runs",
-        "",
-        "| task | configuration | wall time (s) | examples/s |",
-        "|---|---|---:|---:|",
+    speed_rows = [
+        [
+            task.task,
+            run.label,
+            run.backend or "-",
+            f"{run.wall_time_s:.2f}",
+            f"{run.examples_per_s:.1f}",
+            "-" if run.tokens_per_s is None else f"{run.tokens_per_s:,.0f}",
+            "-" if run.speedup is None else f"{run.speedup:.2f}×",
+        ]
+        for task in results.tasks
+        for run in task.runs
     ]
-    for task in results.tasks:
-        for run in task.runs:
-            lines.append(f"| {task.task} | {run.label} | {run.wall_time_s:.1f} | {run.examples_per_s:.1f} |")
+    lines += _table(
+        ["task", "configuration", "attention", "wall time (s)", "examples/s", "tokens/s", "speedup"],
+        speed_rows,
+        3,
+    )
     lines += ["", "## Data and models", ""]
     for task in results.tasks:
-        status = "ok" if task.ok else f"failed: {task.error}"
+        status = "ok" if task.ok else f"{task.status}: {task.error}"
+        notes = "".join(f", {key} {value}" for key, value in task.notes.items())
         lines.append(
-            f"- **{task.task}** (v{task.version}, {task.examples} examples, {status}): "
+            f"- **{task.task}** (v{task.version}, {task.examples} examples{notes}, {status}): "
             f"model `{task.model}`, data `{task.source}`"
         )
     env = results.environment
-    lines += [
-        "",
-        "## Settings and environment",
-        "",
-        "```json",
-        json.dumps(
-            {
-                "settings": results.settings,
-                "packages": env.get("packages"),
-                "hardware": env.get("hardware"),
-                "git": env.get("git"),
-                "date": env.get("date"),
-            },
-            indent=2,
-        ),
-        "```",
-        "",
-    ]
+    document = {
+        "settings": results.settings,
+        **{key: env.get(key) for key in ("packages", "hardware", "git", "date")},
+    }
+    lines += ["", "## Settings and environment", "", "```json", json.dumps(document, indent=2), "```", ""]
     return "\n".join(lines)
 
 
 def plot(results: Results, path: Path) -> Path | None:
-    """Score against cluster count, one line per task and metric (dotted: unmodified); None: no C scored."""
-    series = [
-        (task, name, display)
-        for task in results.tasks
-        if task.cluster_counts
-        for name, display in task.metrics
-    ]
-    if not series:
+    """scores.png, one column per task: score against C (top) and score change against speedup (bottom).
+
+    The bottom panel is the trade-off a user chooses from: each point is a mode and a cluster count.
+    Dotted lines: the unmodified model. None when no patched configuration was scored.
+    """
+    tasks = [task for task in results.tasks if task.keys and task.unmodified is not None]
+    if not tasks:
         return None
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, panels = plt.subplots(2, len(tasks), figsize=(max(7, 4.5 * len(tasks)), 8), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for number, (task, name, display) in enumerate(series):
-        color = colors[number % len(colors)]
-        counts = [c for c in task.cluster_counts if task.summary(name, c)["mean"] is not None]
-        summaries = [task.summary(name, c) for c in counts]
-        means = [s["mean"] for s in summaries]
-        spreads = [s["std"] or 0.0 for s in summaries]
-        axes.errorbar(
-            counts, means, yerr=spreads, marker="o", capsize=3, color=color, label=f"{task.task} {display}"
-        )
-        base = task.unmodified.scores.get(name) if task.unmodified else None
-        if base is not None and not math.isnan(base):
-            axes.axhline(base, color=color, linestyle=":", linewidth=1)
-    mode = results.settings.get("mode", "")
-    axes.set_xscale("log")
-    counts = sorted({c for task, _, _ in series for c in task.cluster_counts})
-    axes.set_xticks(counts, [str(c) for c in counts])
-    axes.set_xlabel("clusters C")
-    axes.set_ylabel("score (points)")
-    axes.set_title(f"{mode} attention vs cluster count (dotted: unmodified)")
-    axes.legend(fontsize="small", loc="best")
-    axes.grid(alpha=0.3)
+    modes = sorted({key[0] for task in tasks for key in task.keys})
+    for (top, bottom), task in zip(panels.T, tasks, strict=True):
+        for number, (name, display) in enumerate(task.metrics):
+            color = colors[number % len(colors)]
+            for mode in modes:
+                keys = [
+                    key for key in task.keys if key[0] == mode and task.summary(name, key)["mean"] is not None
+                ]
+                if not keys:
+                    continue
+                label = display + (f" ({mode})" if len(modes) > 1 else "")
+                style = {"marker": "osD^vP*X"[modes.index(mode) % 8], "color": color, "label": label}
+                summaries = [task.summary(name, key) for key in keys]
+                top.errorbar([key[1] for key in keys], [s["mean"] for s in summaries], capsize=3, **style,
+                             yerr=[s["std"] or 0.0 for s in summaries])  # fmt: skip
+                speedups = [task.speed(key)["speedup"] for key in keys]
+                points = [
+                    (x, s["delta"], key[1]) for x, s, key in zip(speedups, summaries, keys, strict=True)
+                ]
+                points = [point for point in points if point[0] is not None]
+                bottom.plot([p[0] for p in points], [p[1] for p in points], **style)
+                for x, delta, clusters in points:
+                    bottom.annotate(f"C={clusters}", (x, delta), xytext=(3, 3), textcoords="offset points",
+                                    fontsize="x-small")  # fmt: skip
+            base = task.unmodified.scores.get(name)
+            if base is not None and not math.isnan(base):
+                top.axhline(base, color=color, linestyle=":", linewidth=1)
+        counts = sorted({key[1] for key in task.keys})
+        top.set_xscale("log")
+        top.minorticks_off()
+        top.set_xticks(counts, [str(c) for c in counts])
+        top.set(title=task.task, xlabel="clusters C", ylabel="score (points)")
+        bottom.axhline(0.0, color="grey", linewidth=1)
+        bottom.axvline(1.0, color="grey", linewidth=1, linestyle=":")
+        low, high = bottom.get_ylim()  # at least +-0.5 points: a change of 1e-6 must not look like a cliff
+        bottom.set(ylim=(min(low, -0.5), max(high, 0.5)), xlabel="speedup over unmodified (x)")
+        bottom.set_ylabel("score change (points)")
+        for axes in (top, bottom):
+            axes.legend(fontsize="small", loc="best")
+            axes.grid(alpha=0.3)
+    figure.suptitle(f"{', '.join(modes)} attention against the unmodified model (dotted)")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    _atomic(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)
     return path
 
 
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    """``write(temporary path)``, then rename it to ``path``: a reader never sees half a file."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        write(temporary)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def check_output(folder: str | Path, overwrite: bool = False) -> Path:
+    """Refuse an output folder that cannot be written, or that holds files, before any work is done.
+
+    Raises:
+        UserError: ``folder`` is a file, lies under a file, is not writable, or is not empty (without
+            ``overwrite``).
+    """
+    folder = Path(folder).expanduser()
+    if folder.exists():
+        if not folder.is_dir():
+            raise UserError(f"output {folder} is a file, not a folder")
+        present = sorted(entry.name for entry in folder.iterdir())
+        if present and not overwrite:
+            shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+            raise UserError(
+                f"output folder {folder} is not empty ({shown}); choose another folder or pass --overwrite "
+                "(which replaces only the files a run writes)"
+            )
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(f"output folder {folder} is not writable")
+        return folder
+    parent = folder.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"output {folder} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"output {folder} cannot be created: {parent} is not writable")
+    return folder
+
+
 def write(results: Results, folder: str | Path) -> dict[str, Path]:
-    """Write results.json, results.md and (when a cluster count was scored) scores.png into ``folder``."""
+    """Write results.json, results.md and scores.png into ``folder`` (checked by ``check_output``).
+
+    Files of an earlier run listed in its results.json and not written now are removed (so a stale plot
+    never sits beside new results); no other file is touched.
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = {"json": folder / "results.json", "markdown": folder / "results.md"}
-    written["json"].write_text(json.dumps(results.to_dict(), indent=2) + "\n", encoding="utf-8")
-    written["markdown"].write_text(markdown(results), encoding="utf-8")
-    png = plot(results, folder / "scores.png")
-    if png is not None:
-        written["plot"] = png
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create output folder {folder}: {error.strerror or error}") from None
+    written: dict[str, Path] = {}
+    if plot(results, folder / "scores.png") is not None:
+        written["scores.png"] = folder / "scores.png"
+    written["results.md"] = folder / "results.md"
+    _atomic(
+        written["results.md"],
+        lambda temporary: Path(temporary).write_text(markdown(results), encoding="utf-8"),
+    )
+    written["results.json"] = folder / "results.json"
+    earlier = _listed(written["results.json"])
+    document = {**results.to_dict(), "files": sorted(written)}
+    text = json.dumps(document, indent=2) + "\n"
+    _atomic(written["results.json"], lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+    for name in earlier - set(written):
+        (folder / name).unlink(missing_ok=True)
     return written
+
+
+def _listed(path: Path) -> set[str]:
+    """The files an earlier run's results.json says it wrote (only names this module writes)."""
+    try:
+        listed = json.loads(path.read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {name for name in listed if name in FILES}

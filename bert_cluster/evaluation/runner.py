@@ -1,15 +1,15 @@
-"""The evaluation loop: tasks x (unmodified, then every cluster count x seed), with progress reporting.
+"""The evaluation loop: tasks x (unmodified, then every mode x cluster count x seed), with progress reporting.
 
-Each task loads its model and examples once through its kind, scores the unmodified model, then for
-each configuration calls ``bert_cluster.convert``, scores, and ``bert_cluster.revert``. A task that
-fails is recorded with its error and the loop goes on to the next one.
+A ``TaskSession`` loads one task's model and examples once and scores any configuration on them, scores
+and speed together (``TaskSession.score``: what a tuner calls candidate after candidate, reusing the
+unmodified run). ``run_plan`` drives a session per task; a task that fails is recorded with its error and
+the loop goes on to the next one. Under ``accelerate launch`` every process runs this loop in step (the
+batches are shared out by ``parallel.Workers``); only the main process reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,29 +18,15 @@ from typing import Any, Protocol
 
 import bert_cluster
 from bert_cluster.config import ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError
-from bert_cluster.evaluation.kinds import KINDS, ScoreSettings, TaskKind
+from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, TaskKind, get_kind
+from bert_cluster.evaluation.parallel import Timing, Workers
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult, environment
 from bert_cluster.evaluation.tasks import TaskConfig
 
-#: Modules whose import registers task kinds; the embedding kinds are the demo's and optional.
-_KIND_MODULES = (
-    "bert_cluster.evaluation.classification",
-    "bert_cluster.evaluation.squad",
-    "bert_cluster.evaluation.embedding",
-    "bert_cluster.evaluation.long_documents",
-)
-
-
-def load_kinds() -> dict[str, TaskKind]:
-    """Import every module that registers kinds and return the registry."""
-    for module in _KIND_MODULES:
-        importlib.import_module(module)
-    return KINDS
-
 
 class Reporter(Protocol):
-    """What the runner tells about its progress (the CLI shows rich bars; the API default is silent)."""
+    """What the runner tells about its progress (the CLI renders it; the API default is silent)."""
 
     def start(self, tasks: int) -> None:
         """The run begins with ``tasks`` tasks."""
@@ -52,122 +38,44 @@ class Reporter(Protocol):
         """A configuration of the current task begins."""
 
     def advance(self, done: int, total: int) -> None:
-        """``done`` of ``total`` batches' items of the current configuration are scored."""
+        """``done`` of ``total`` items of the current configuration are scored (this process's share)."""
 
     def configuration_done(self, run: RunResult) -> None:
         """The current configuration is scored."""
 
     def task_done(self, result: TaskResult) -> None:
-        """The current task is finished (ok or failed)."""
+        """The current task is finished (ok, failed or interrupted)."""
 
     def finish(self) -> None:
         """The run is over."""
 
 
 class SilentReporter:
-    """Reports nothing."""
+    """Reports nothing (the API's default, and every process but the main one)."""
 
-    def start(self, tasks: int) -> None:  # noqa: D102
-        pass
-
-    def task(self, name: str, configurations: int) -> None:  # noqa: D102
-        pass
-
-    def configuration(self, label: str) -> None:  # noqa: D102
-        pass
-
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        pass
-
-    def configuration_done(self, run: RunResult) -> None:  # noqa: D102
-        pass
-
-    def task_done(self, result: TaskResult) -> None:  # noqa: D102
-        pass
-
-    def finish(self) -> None:  # noqa: D102
-        pass
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
 
 
-class RichReporter:
-    """Three rich progress bars (tasks, configurations of the task, items of the configuration)."""
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: carries the results measured so far (the interrupted task marked so)."""
 
-    def __init__(self, console: Any = None) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.progress = Progress(
-            TextColumn("{task.description:<32}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console or Console(stderr=True),
-            transient=False,
-        )
-        self._tasks = self._configs = self._items = None
-
-    def start(self, tasks: int) -> None:  # noqa: D102
-        self.progress.start()
-        self._tasks = self.progress.add_task("tasks", total=tasks)
-
-    def task(self, name: str, configurations: int) -> None:  # noqa: D102
-        if self._configs is not None:
-            self.progress.remove_task(self._configs)
-        self._configs = self.progress.add_task(f"{name}: configurations", total=configurations)
-        self.progress.update(self._tasks, description=f"tasks ({name})")
-
-    def configuration(self, label: str) -> None:  # noqa: D102
-        if self._items is not None:
-            self.progress.remove_task(self._items)
-        self._items = self.progress.add_task(f"  {label}", total=None)
-
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        self.progress.update(self._items, completed=done, total=total)
-
-    def configuration_done(self, run: RunResult) -> None:  # noqa: D102
-        self.progress.advance(self._configs)
-
-    def task_done(self, result: TaskResult) -> None:  # noqa: D102
-        self.progress.advance(self._tasks)
-
-    def finish(self) -> None:  # noqa: D102
-        self.progress.stop()
-
-
-class LineReporter(SilentReporter):
-    """One plain line per finished configuration and task: for logs, where progress bars cannot redraw."""
-
-    def __init__(self, stream: Any = None) -> None:
-        self.stream = stream
-        self.name = ""
-
-    def _print(self, text: str) -> None:
-        print(text, file=self.stream or sys.stdout, flush=True)
-
-    def task(self, name: str, configurations: int) -> None:  # noqa: D102
-        self.name = name
-        self._print(f"[{name}] {configurations} configuration(s)")
-
-    def configuration_done(self, run: RunResult) -> None:  # noqa: D102
-        scores = ", ".join(f"{key} {value:.2f}" for key, value in run.scores.items())
-        self._print(
-            f"[{self.name}] {run.label}: {scores} ({run.wall_time_s:.1f} s, {run.examples_per_s:.1f}/s)"
-        )
-
-    def task_done(self, result: TaskResult) -> None:  # noqa: D102
-        state = "ok" if result.ok else f"failed: {result.error}"
-        self._print(f"[{result.task}] {state} (data: {result.source})")
+    def __init__(self, results: Results) -> None:
+        super().__init__("interrupted")
+        self.results = results
+        self.written: Path | None = None  # the results.json holding them, once written
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """Everything one run needs, validated: what ``evaluate`` builds from its arguments."""
 
-    model: str | None  # may hold "{task}", replaced by each task's name
+    model: str  # may hold "{task}", replaced by each task's name
     tasks: tuple[TaskConfig, ...]
     clusters: tuple[int, ...]
     seeds: tuple[int, ...]
     attention: ClusteredAttentionConfig
+    modes: tuple[str, ...] = ()  # () : the attention config's mode only
     data_dirs: tuple[Path, ...] = ()
     limit: int | None = None
     batch_size: int | None = None
@@ -176,8 +84,16 @@ class RunPlan:
 
     def model_for(self, task: TaskConfig) -> str:
         """The model path of ``task`` (``{task}`` in the path is replaced by the task name)."""
-        assert self.model is not None
         return self.model.replace("{task}", task.name)
+
+    def configurations(self) -> list[ClusteredAttentionConfig]:
+        """Every patched configuration, in run order: mode, then C, then seed."""
+        return [
+            self.attention.replace(mode=mode, clusters=clusters, seed=seed)
+            for mode in self.modes or (self.attention.mode,)
+            for clusters in self.clusters
+            for seed in self.seeds
+        ]
 
     def settings(self) -> dict[str, Any]:
         """The JSON-ready settings recorded in results.json."""
@@ -185,8 +101,8 @@ class RunPlan:
             "model": self.model,
             "tasks": [task.name for task in self.tasks],
             "clusters": list(self.clusters),
+            "modes": list(self.modes or (self.attention.mode,)),
             "seeds": list(self.seeds),
-            "mode": self.attention.mode,
             "attention": {k: v for k, v in self.attention.to_dict().items() if k not in ("clusters", "seed")},
             "data_dirs": [str(folder) for folder in self.data_dirs],
             "limit": self.limit,
@@ -196,42 +112,120 @@ class RunPlan:
         }
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return text or type(error).__name__
+def attention_backend(config: ClusteredAttentionConfig, device: str) -> str:
+    """The backend ``config`` runs on ``device`` (``BERT_CLUSTER_BACKEND`` included).
+
+    Raises:
+        UserError: a forced backend that cannot run here, or a bad ``BERT_CLUSTER_BACKEND``.
+    """
+    import torch
+
+    from bert_cluster import dispatch
+
+    probe = torch.zeros(1, 1, 2, 8, device=device)
+    try:
+        return dispatch.select_backend(config.backend, probe, probe, probe).name
+    except ValueError as error:
+        raise UserError(one_line(error)) from None
 
 
-def _score(
-    kind: TaskKind,
-    loaded: Any,
-    task: TaskConfig,
-    examples: Any,
-    settings: ScoreSettings,
-    reporter: Reporter,
-    clusters: int | None,
-    seed: int | None,
-    attention: ClusteredAttentionConfig | None,
-) -> RunResult:
-    reporter.configuration("unmodified" if clusters is None else f"C={clusters} seed={seed}")
-    began = time.perf_counter()
-    scores = kind.score(loaded, task, examples, settings, reporter.advance)
-    elapsed = time.perf_counter() - began
-    run = RunResult(
-        clusters=clusters,
-        seed=seed,
-        scores={k: float(v) for k, v in scores.items()},
-        wall_time_s=elapsed,
-        examples_per_s=examples.count / elapsed if elapsed > 0 else float("inf"),
-        attention=None if attention is None else attention.to_dict(),
-    )
-    reporter.configuration_done(run)
-    return run
+class TaskSession:
+    """One task's model and examples, loaded once, and the scoring of any configuration on them."""
+
+    def __init__(
+        self,
+        task: TaskConfig,
+        model: str,
+        *,
+        data_dirs: Sequence[Path] = (),
+        limit: int | None = None,
+        batch_size: int | None = None,
+        max_length: int | None = None,
+        device: str = "cpu",
+        workers: Workers | None = None,
+        reporter: Reporter | None = None,
+    ) -> None:
+        """Load the task's examples, then its model, and check ``max_length`` against the model.
+
+        Raises:
+            UserError: a task file that does not suit its kind, missing data, an unfitting model.
+        """
+        self.task, self.model = task, model
+        self.workers = workers or Workers(device)
+        self.reporter = reporter or SilentReporter()
+        self.kind: TaskKind = get_kind(task)
+        self.examples: Examples = self.kind.load_examples(task, list(data_dirs) or None, limit)
+        device = self.workers.device(device)
+        self.loaded: LoadedModel = self.kind.load_model(model, task, device)
+        positions = self.loaded.max_positions
+        if max_length is not None and positions is not None and max_length > positions:
+            raise UserError(
+                f"--max-length {max_length} is more than model {model} takes ({positions} positions)"
+            )
+        self.settings = ScoreSettings(
+            batch_size=batch_size or task.batch_size,
+            max_length=max_length,
+            device=device,
+            workers=self.workers,
+        )
+        self.unmodified: RunResult | None = None
+
+    def score(self, config: ClusteredAttentionConfig | None) -> RunResult:
+        """Scores and speed of ``config`` (None: the unmodified model); the model is reverted afterwards.
+
+        The first call should be the unmodified one: later runs get their speedup against it.
+        """
+        workers, target = self.workers, self.loaded.target
+        workers.timing = Timing()
+        label = "unmodified" if config is None else f"{config.mode} C={config.clusters} seed={config.seed}"
+        self.reporter.configuration(label)
+        if config is None:
+            backend = str(getattr(getattr(target, "config", None), "_attn_implementation", None) or "eager")
+        else:
+            backend = attention_backend(config, self.settings.device)
+            bert_cluster.convert(target, config=config)
+        try:
+            began = time.perf_counter()
+            scores = self.kind.score(
+                self.loaded, self.task, self.examples, self.settings, self.reporter.advance
+            )
+            elapsed = time.perf_counter() - began
+        finally:
+            if config is not None:
+                bert_cluster.revert(target)
+        timing = workers.combined_timing()
+        if timing.items == 0:  # a kind that runs its own loop: timed as a whole, tokens unknown
+            timing = Timing(seconds=max(workers.gather([elapsed])), tokens=0)
+        seconds = max(timing.seconds, 1e-9)
+        run = RunResult(
+            clusters=None if config is None else config.clusters,
+            seed=None if config is None else config.seed,
+            scores={name: float(value) for name, value in scores.items()},
+            wall_time_s=timing.seconds,
+            examples_per_s=self.examples.count / seconds,
+            tokens_per_s=timing.tokens / seconds if timing.tokens else None,
+            speedup=1.0
+            if config is None
+            else (self.unmodified.wall_time_s / seconds if self.unmodified else None),
+            backend=backend,
+            mode=None if config is None else config.mode,
+            processes=workers.count,
+            attention=None if config is None else config.to_dict(),
+        )
+        if config is None:
+            self.unmodified = run
+        self.reporter.configuration_done(run)
+        return run
 
 
 def run_task(
-    plan: RunPlan, task: TaskConfig, reporter: Reporter, on_run: Callable[[TaskResult], None] | None = None
+    plan: RunPlan,
+    task: TaskConfig,
+    reporter: Reporter,
+    workers: Workers,
+    on_run: Callable[[TaskResult], None] | None = None,
 ) -> TaskResult:
-    """Score one task in every configuration; failures are recorded, not raised.
+    """Score one task in every configuration; failures are recorded, not raised (Ctrl-C is re-raised).
 
     ``on_run`` is called with the task's results so far after each configuration (partial results.json).
     """
@@ -242,66 +236,72 @@ def run_task(
         version=task.version,
         metrics=[(m.name, m.display) for m in task.metrics],
         config=task.to_dict(),
+        model=plan.model_for(task),
     )
-    configurations = 1 + len(plan.clusters) * len(plan.seeds)
-    reporter.task(task.name, configurations)
+    configurations = plan.configurations()
+    reporter.task(task.name, 1 + len(configurations))
     try:
-        kinds = load_kinds()
-        if task.kind not in kinds:
-            raise UserError(
-                f"task {task.name} has kind {task.kind!r}, which no module registers; "
-                f"known kinds: {', '.join(sorted(kinds))}"
-            )
-        kind = kinds[task.kind]
-        result.model = plan.model_for(task)
-        examples = kind.load_examples(task, list(plan.data_dirs) or None, plan.limit)
-        result.source, result.examples = examples.source, examples.count
-        loaded = kind.load_model(result.model, task, plan.device)
-        settings = ScoreSettings(
-            batch_size=plan.batch_size or task.batch_size, max_length=plan.max_length, device=plan.device
+        session = TaskSession(
+            task,
+            plan.model_for(task),
+            data_dirs=plan.data_dirs,
+            limit=plan.limit,
+            batch_size=plan.batch_size,
+            max_length=plan.max_length,
+            device=plan.device,
+            workers=workers,
+            reporter=reporter,
         )
-        result.runs.append(_score(kind, loaded, task, examples, settings, reporter, None, None, None))
+        result.source, result.examples = session.examples.source, session.examples.count
+        result.notes = {**session.examples.notes, **session.loaded.extra.get("notes", {})}
+        for config in [None, *configurations]:
+            result.runs.append(session.score(config))
+            on_run(result)
+    except KeyboardInterrupt:
+        result.status, result.error = (
+            "interrupted",
+            f"interrupted (Ctrl-C) after {len(result.runs)} configuration(s)",
+        )
         on_run(result)
-        for clusters in plan.clusters:
-            for seed in plan.seeds:
-                config = plan.attention.replace(clusters=clusters, seed=seed)
-                bert_cluster.convert(loaded.model, config=config)
-                try:
-                    result.runs.append(
-                        _score(kind, loaded, task, examples, settings, reporter, clusters, seed, config)
-                    )
-                finally:
-                    bert_cluster.revert(loaded.model)
-                on_run(result)
+        reporter.task_done(result)
+        raise
     except UserError as error:
-        result.status, result.error = "failed", _one_line(error)
+        result.status, result.error = "failed", one_line(error)
     except Exception as error:  # noqa: BLE001 - one task's crash must not lose the others' results
         where = traceback.extract_tb(error.__traceback__)[-1]
         result.status = "failed"
         result.error = (
-            f"{type(error).__name__}: {_one_line(error)} (at {Path(where.filename).name}:{where.lineno})"
+            f"{type(error).__name__}: {one_line(error)} (at {Path(where.filename).name}:{where.lineno})"
         )
     reporter.task_done(result)
     return result
 
 
 def run_plan(
-    plan: RunPlan, reporter: Reporter | None = None, partial: Callable[[Results], None] | None = None
+    plan: RunPlan,
+    reporter: Reporter | None = None,
+    partial: Callable[[Results], None] | None = None,
+    workers: Workers | None = None,
 ) -> Results:
     """Run every task of ``plan`` and collect the results (the environment is recorded too).
 
     ``partial`` receives the results so far (``complete`` False) after every configuration, so a long
     run that is stopped still leaves what it measured.
+
+    Raises:
+        RunInterrupted: Ctrl-C; it carries the results so far, the current task marked interrupted.
     """
-    reporter = reporter or SilentReporter()
+    workers = workers or Workers(plan.device)
+    reporter = reporter if reporter is not None and workers.is_main else SilentReporter()
     began = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    env = environment(plan.device)
+    env = environment(workers.device(plan.device), workers.count)
     tasks: list[TaskResult] = []
+    current: list[TaskResult] = []
 
-    def snapshot(current: TaskResult | None, complete: bool) -> Results:
+    def snapshot(complete: bool) -> Results:
         return Results(
-            tasks=[*tasks, *([current] if current is not None else [])],
+            tasks=[*tasks, *current],
             settings=plan.settings(),
             environment=env,
             started=started,
@@ -309,52 +309,52 @@ def run_plan(
             complete=complete,
         )
 
-    on_run = None if partial is None else (lambda current: partial(snapshot(current, False)))
+    def on_run(result: TaskResult) -> None:
+        current[:] = [result]
+        if partial is not None:
+            partial(snapshot(False))
+
     reporter.start(len(plan.tasks))
     try:
         for task in plan.tasks:
-            tasks.append(run_task(plan, task, reporter, on_run))
+            tasks.append(run_task(plan, task, reporter, workers, on_run))
+            current.clear()
+    except KeyboardInterrupt:
+        raise RunInterrupted(snapshot(False)) from None
     finally:
         reporter.finish()
-    return snapshot(None, True)
+    return snapshot(True)
 
 
 def parse_clusters(value: int | str | Sequence[int | str]) -> tuple[int, ...]:
     """Cluster counts from ``25``, ``"10,25,50"`` or ``[10, 25]``: positive ints, duplicates dropped."""
-    if isinstance(value, bool):
-        raise UserError(f"clusters must be positive ints, got {value!r}")
-    parts: list[Any]
-    if isinstance(value, int):
-        parts = [value]
-    elif isinstance(value, str):
-        parts = [part.strip() for part in value.split(",")]
-    else:
-        parts = list(value)
+    parts = [value] if isinstance(value, (int, str)) else list(value)
+    items = [piece.strip() if isinstance(piece, str) else piece for part in parts for piece in _split(part)]
     counts = []
-    for part in parts:
-        text = str(part).strip()
-        if isinstance(part, bool) or not text.isdigit() or int(text) < 1:
+    for item in items:
+        digits = isinstance(item, str) and item.isdigit()
+        if isinstance(item, bool) or not (digits or isinstance(item, int)) or int(item) < 1:
             raise UserError(
                 f"malformed cluster list {value!r}: give positive ints separated by commas, e.g. 10,25,50"
             )
-        counts.append(int(text))
+        counts.append(int(item))
     if not counts:
         raise UserError("the cluster list is empty: give positive ints separated by commas, e.g. 10,25,50")
     return tuple(dict.fromkeys(counts))
 
 
+def _split(part: Any) -> list[Any]:
+    return part.split(",") if isinstance(part, str) else [part]
+
+
 def parse_seeds(value: int | Sequence[int]) -> tuple[int, ...]:
     """``N`` means seeds 0..N-1; a sequence is taken as the seeds themselves."""
-    if isinstance(value, bool):
-        raise UserError(f"seeds must be a positive count or a list of seeds, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise UserError(f"seeds must be a positive count, got {value}")
-        return tuple(range(value))
-    seeds = tuple(value)
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
-        raise UserError(f"seeds must be a positive count or a list of non-negative ints, got {value!r}")
-    return tuple(dict.fromkeys(seeds))
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        seeds = tuple(value)
+        if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+            raise UserError(f"seeds must be a positive count or a list of non-negative ints, got {value!r}")
+        return tuple(dict.fromkeys(seeds))
+    return tuple(range(positive_int("seeds", value)))
 
 
 def check_device(device: str) -> str:

@@ -11,6 +11,7 @@ mappings merge recursively, everything else is replaced.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,10 +19,11 @@ from typing import Any
 
 import yaml
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.evaluation.errors import UserError, one_line
 
-#: Local file formats ``data.py`` can read.
-FILE_FORMATS = ("tsv", "parquet", "squad-json", "jsonl", "csv")
+#: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
+#: lines or a JSON list, the official SQuAD JSON, and the packaged retrieval JSON (paragraphs + questions).
+FILE_FORMATS = ("tsv", "csv", "parquet", "json", "jsonl", "squad-json", "retrieval-json")
 
 _TOP_KEYS = {
     "name",
@@ -41,14 +43,14 @@ _TOP_KEYS = {
 }
 _DATA_KEYS = {"hub", "files"}
 _HUB_KEYS = {"path", "name", "split"}
-_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding"}
+_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged"}
 
 
 def config_root() -> Path:
     """The ``configs`` folder: ``$BERT_CLUSTER_CONFIGS``, inside the package, or at the repository root."""
     env = os.environ.get("BERT_CLUSTER_CONFIGS")
     if env:
-        return Path(env)
+        return Path(env).expanduser()
     package = Path(__file__).resolve().parents[1]
     for candidate in (package / "configs", package.parent / "configs"):
         if (candidate / "tasks").is_dir():
@@ -77,6 +79,7 @@ class LocalFile:
             Fields not named keep their own name.
         quoting: honour double quotes in TSV/CSV (GLUE's sentence files need this off).
         encoding: text encoding (``utf-8-sig`` drops MRPC's byte-order mark).
+        packaged: the file ships in ``bert_cluster/data`` (searched after the user's data folders).
     """
 
     path: str
@@ -85,6 +88,7 @@ class LocalFile:
     columns: Mapping[str, str | int] = dataclasses.field(default_factory=dict)
     quoting: bool = False
     encoding: str = "utf-8-sig"
+    packaged: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,24 +146,9 @@ class TaskConfig:
         """The metric keys ``score`` returns."""
         return tuple(metric.name for metric in self.metrics)
 
-    def display(self, metric: str) -> str:
-        """The display name of ``metric`` (itself when unknown)."""
-        for spec in self.metrics:
-            if spec.name == metric:
-                return spec.display
-        return metric
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (as recorded in results.json)."""
-        return _jsonable(dataclasses.asdict(self))
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    return value
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists, as read back
 
 
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,7 +171,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     except OSError as error:
         raise UserError(f"cannot read task file {path}: {error.strerror or error}") from None
     except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
     if not isinstance(raw, Mapping):
         raise UserError(f"{path}: a task file must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
@@ -215,7 +204,7 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
     for field, column in columns.items():
         ok = isinstance(column, str) or (isinstance(column, int) and not isinstance(column, bool))
         _require(where, ok, f"column for {field!r} must be a name or an int position, got {column!r}")
-    for flag in ("header", "quoting"):
+    for flag in ("header", "quoting", "packaged"):
         _require(where, isinstance(raw.get(flag, True), bool), f"{flag} must be true or false")
     return LocalFile(
         path=raw["path"],
@@ -224,6 +213,7 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
         columns=dict(columns),
         quoting=raw.get("quoting", False),
         encoding=raw.get("encoding", "utf-8-sig"),
+        packaged=raw.get("packaged", False),
     )
 
 
@@ -325,20 +315,49 @@ def load_task_file(path: str | Path) -> TaskConfig:
 
 
 def task_files(root: Path | None = None) -> list[Path]:
-    """Every task YAML under ``root/tasks`` (default: ``config_root()``), sorted."""
+    """Every task YAML under ``root/tasks`` (default: ``config_root()``), sorted.
+
+    Raises:
+        UserError: the folder does not exist (a wrong ``$BERT_CLUSTER_CONFIGS`` would otherwise mean
+            "no tasks" and every name would look unknown).
+    """
     root = root or config_root()
+    if not (root / "tasks").is_dir():
+        raise UserError(
+            f"the task configs folder {root / 'tasks'} does not exist; set BERT_CLUSTER_CONFIGS to a folder "
+            "holding tasks/**/*.yaml"
+        )
     return sorted((root / "tasks").rglob("*.yaml"))
 
 
-def load_tasks(root: Path | None = None) -> dict[str, TaskConfig]:
-    """All tasks by name; a duplicated name is an error (two files would shadow each other)."""
+@dataclasses.dataclass
+class TaskCatalog:
+    """The tasks that loaded, by name, and one line per file that did not (it blocks nothing else)."""
+
+    tasks: dict[str, TaskConfig]
+    problems: list[str]
+
+
+def load_catalog(root: Path | None = None) -> TaskCatalog:
+    """Read every task file; a file that fails, or repeats an earlier file's name, becomes a problem line."""
     tasks: dict[str, TaskConfig] = {}
+    problems: list[str] = []
     for path in task_files(root):
-        task = load_task_file(path)
+        try:
+            task = load_task_file(path)
+        except UserError as error:
+            problems.append(str(error))
+            continue
         if task.name in tasks:
-            raise UserError(f"task name {task.name!r} is defined twice: {tasks[task.name].source} and {path}")
+            problems.append(f"task name {task.name!r} is defined twice: {tasks[task.name].source} and {path}")
+            continue
         tasks[task.name] = task
-    return tasks
+    return TaskCatalog(tasks, problems)
+
+
+def load_tasks(root: Path | None = None) -> dict[str, TaskConfig]:
+    """The tasks that load, by name (see ``load_catalog`` for the files that do not)."""
+    return load_catalog(root).tasks
 
 
 def get_tasks(names: str | list[str] | tuple[str, ...], root: Path | None = None) -> list[TaskConfig]:
@@ -348,8 +367,15 @@ def get_tasks(names: str | list[str] | tuple[str, ...], root: Path | None = None
     wanted = [part.strip() for name in names for part in str(name).split(",") if part.strip()]
     if not wanted:
         raise UserError("no task given; see `bert-cluster ls` for the task names")
-    available = load_tasks(root)
-    unknown = [name for name in wanted if name not in available]
+    catalog = load_catalog(root)
+    unknown = [name for name in wanted if name not in catalog.tasks]
     if unknown:
-        raise UserError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(available))}")
-    return [available[name] for name in dict.fromkeys(wanted)]
+        broken = (
+            f"; {len(catalog.problems)} task file(s) did not load: {catalog.problems[0]}"
+            if catalog.problems
+            else ""
+        )
+        raise UserError(
+            f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(catalog.tasks))}{broken}"
+        )
+    return [catalog.tasks[name] for name in dict.fromkeys(wanted)]

@@ -14,6 +14,7 @@
 #endif
 
 #include "../checks.h"
+#include "common.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -25,67 +26,108 @@ typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef int64_t i64x8 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-// Hashes of `count` queries (rows of q, dk floats each): bit b is [q . w_b + o_b > 0]. planes_t is
-// (dk, 64): the planes transposed and zero-padded to 64, so the 64 projections of a query accumulate in
-// four 16-lane vectors, with no (N, B) projection matrix in memory. The summation order differs from a
-// GEMM's, so a projection within a few ulps of 0 may round to the other side than in the reference
-// (the tests draw their inputs away from that).
-BC_MULTIVERSION
-void hash_rows(const float* __restrict q, const float* __restrict planes_t, const float* __restrict offsets,
-               int64_t count, int64_t dk, int64_t bits, int64_t* __restrict out) {
-  const f32x16 o0 = load16(offsets), o1 = load16(offsets + 16);
-  const f32x16 o2 = load16(offsets + 32), o3 = load16(offsets + 48);
-  float projections[64];
-  int64_t i = 0;
-  // Two queries at a time: eight independent FMA chains instead of four (the loop is latency-bound), each
-  // query's sums in the same order as below, so its bits do not depend on the pairing.
-  for (; i + 2 <= count; i += 2) {
-    const float* qi = q + i * dk;
-    const float* qj = qi + dk;
-    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
-    for (int64_t d = 0; d < dk; ++d) {
-      const float* w = planes_t + d * 64;
-      const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
-      const float x = qi[d], y = qj[d];
-      a0 += x * w0;
-      a1 += x * w1;
-      a2 += x * w2;
-      a3 += x * w3;
-      b0 += y * w0;
-      b1 += y * w1;
-      b2 += y * w2;
-      b3 += y * w3;
-    }
-    const f32x16 sums[2][4] = {{a0 + o0, a1 + o1, a2 + o2, a3 + o3}, {b0 + o0, b1 + o1, b2 + o2, b3 + o3}};
-    for (int j = 0; j < 2; ++j) {
-      std::memcpy(projections, sums[j], sizeof(projections));
-      uint64_t h = 0;
-      for (int64_t b = 0; b < bits; ++b) h |= static_cast<uint64_t>(projections[b] > 0.f) << b;
-      out[i + j] = static_cast<int64_t>(h);
+// Hashes of `count` query rows (`stride` elements apart, dk values each): bit b is [q . w_b + o_b > 0].
+// planes_t is (dk, 64): the planes transposed and zero-padded to 64, so the projections of a query
+// accumulate in NB 16-lane vectors (NB = ceil(B / 16)), with no (N, B) projection matrix in memory; the
+// signs are packed with vector compares. QB queries at a time share each plane load (independent FMA
+// chains); each query's sums run in the same order whatever its neighbours, so its bits never depend on
+// the blocking. The order differs from a GEMM's, so a projection within a few ulps of 0 may round to the
+// other side than in the reference (the tests draw their inputs away from that).
+template <int NB, int QB>
+BC_INLINE void hash_block(const float* const* q, const float* __restrict planes_t, const f32x16* off, int64_t dk,
+                          uint64_t mask, int64_t* __restrict out) {
+  f32x16 acc[QB][NB];
+  for (int i = 0; i < QB; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = f32x16{};
+  for (int64_t d = 0; d < dk; ++d) {
+    f32x16 w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = load16(planes_t + d * 64 + 16 * b);
+    for (int i = 0; i < QB; ++i) {
+      const float x = q[i][d];
+      for (int b = 0; b < NB; ++b) acc[i][b] += x * w[b];
     }
   }
-  for (; i < count; ++i) {
-    const float* qi = q + i * dk;
-    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int64_t d = 0; d < dk; ++d) {
-      const float* w = planes_t + d * 64;
-      const float x = qi[d];
-      a0 += x * load16(w);
-      a1 += x * load16(w + 16);
-      a2 += x * load16(w + 32);
-      a3 += x * load16(w + 48);
-    }
-    a0 += o0;
-    a1 += o1;
-    a2 += o2;
-    a3 += o3;
-    std::memcpy(projections, &a0, sizeof(a0));
-    std::memcpy(projections + 16, &a1, sizeof(a1));
-    std::memcpy(projections + 32, &a2, sizeof(a2));
-    std::memcpy(projections + 48, &a3, sizeof(a3));
+  const f32x16 zero = {};
+  for (int i = 0; i < QB; ++i) {
     uint64_t h = 0;
-    for (int64_t b = 0; b < bits; ++b) h |= static_cast<uint64_t>(projections[b] > 0.f) << b;
-    out[i] = static_cast<int64_t>(h);
+    for (int b = 0; b < NB; ++b) h |= static_cast<uint64_t>(lane_bits((i32x16)(acc[i][b] + off[b] > zero))) << (16 * b);
+    out[i] = static_cast<int64_t>(h & mask);
+  }
+}
+
+template <int NB, typename T>
+BC_INLINE void hash_rows_nb(const T* q, int64_t stride, const float* __restrict planes_t,
+                            const float* __restrict offsets, int64_t count, int64_t dk, int64_t bits,
+                            int64_t* __restrict out, float* __restrict buf) {
+  constexpr int QB = NB <= 2 ? 4 : 3;
+  f32x16 off[NB];
+  for (int b = 0; b < NB; ++b) off[b] = load16(offsets + 16 * b);
+  const uint64_t mask = bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+  const float* rows[QB];
+  int64_t i = 0;
+  for (; i + QB <= count; i += QB) {
+    for (int j = 0; j < QB; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        rows[j] = q + (i + j) * stride;
+      } else {
+        widen(q + (i + j) * stride, buf + j * dk, dk);
+        rows[j] = buf + j * dk;
+      }
+    }
+    hash_block<NB, QB>(rows, planes_t, off, dk, mask, out + i);
+  }
+  for (; i < count; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      rows[0] = q + i * stride;
+    } else {
+      widen(q + i * stride, buf, dk);
+      rows[0] = buf;
+    }
+    hash_block<NB, 1>(rows, planes_t, off, dk, mask, out + i);
+  }
+}
+
+template <typename T>
+BC_INLINE void hash_rows_t(const T* q, int64_t stride, const float* planes_t, const float* offsets, int64_t count,
+                           int64_t dk, int64_t bits, int64_t* out, float* buf) {
+  switch ((bits + 15) / 16) {
+    case 1: hash_rows_nb<1>(q, stride, planes_t, offsets, count, dk, bits, out, buf); break;
+    case 2: hash_rows_nb<2>(q, stride, planes_t, offsets, count, dk, bits, out, buf); break;
+    case 3: hash_rows_nb<3>(q, stride, planes_t, offsets, count, dk, bits, out, buf); break;
+    default: hash_rows_nb<4>(q, stride, planes_t, offsets, count, dk, bits, out, buf); break;
+  }
+}
+
+struct HashJob {
+  Rows q;
+  InputType type;
+  const float *planes_t, *offsets;
+  int64_t heads, n, dk, bits;
+  int64_t* out;
+};
+
+// Rows [begin, end) of the flattened (R * H * N) queries, cut at (row, head) boundaries.
+BC_MULTIVERSION
+void hash_range(const HashJob& job, int64_t begin, int64_t end) {
+  std::vector<float> buf(4 * std::max<int64_t>(job.dk, 1));
+  for (int64_t x = begin; x < end;) {
+    const int64_t rh = x / job.n, i = x % job.n, r = rh / job.heads, h = rh % job.heads;
+    const int64_t count = std::min(end, (rh + 1) * job.n) - x;
+    switch (job.type) {
+      case InputType::kFloat32:
+        hash_rows_t(job.q.at<float>(r, h, i), job.q.s2, job.planes_t, job.offsets, count, job.dk, job.bits,
+                    job.out + x, buf.data());
+        break;
+      case InputType::kBFloat16:
+        hash_rows_t(job.q.at<c10::BFloat16>(r, h, i), job.q.s2, job.planes_t, job.offsets, count, job.dk,
+                    job.bits, job.out + x, buf.data());
+        break;
+      case InputType::kFloat16:
+        hash_rows_t(job.q.at<c10::Half>(r, h, i), job.q.s2, job.planes_t, job.offsets, count, job.dk, job.bits,
+                    job.out + x, buf.data());
+        break;
+    }
+    x += count;
   }
 }
 
@@ -136,9 +178,14 @@ void assign_all(const uint64_t* __restrict hashes, const bool* __restrict valid,
   assign_body(hashes, valid, n, cent, present, clusters, mask, assign, SwarPopcount{});
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12 && \
+    (!defined(BERT_CLUSTER_NO_MULTIVERSION) || defined(__AVX512VPOPCNTDQ__))
 #define BC_HAVE_VPOPCNT 1
+#if defined(BERT_CLUSTER_NO_MULTIVERSION)  // -march=native builds: the function takes the command line's ISA
+#define BC_VPOPCNT_TARGET
+#else
 #define BC_VPOPCNT_TARGET __attribute__((target("arch=x86-64-v4,avx512vpopcntdq")))
+#endif
 // assign_all with AVX-512 VPOPCNTQ (the same loop: a target-specific popcount cannot be inlined into the
 // generic template body, so the body is repeated here).
 BC_VPOPCNT_TARGET
@@ -175,26 +222,75 @@ AssignFn pick_assign() {
   return assign_all;
 }
 
-// Per-cluster member counts and per-bit counts of ones: 64 uint32 counters per cluster, updated as four
-// 16-lane vectors (lanes 0-31 from the low word, 32-63 from the high word).
+// Per-cluster member counts and per-bit counts of ones (64 uint32 per cluster). Each hash is spread to 64
+// bytes (byte b = bit b: one in-lane byte shuffle and a test), added to 8-bit counters of its cluster, and
+// a cluster's 8-bit counters are flushed into the 32-bit ones before they can overflow (every 255 members).
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
 BC_MULTIVERSION
-void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict assign, int64_t n,
-                uint32_t* __restrict ones, int64_t* __restrict members) {
-  const u32x16 shift = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict assign, int64_t n, int64_t clusters,
+                uint32_t* __restrict ones, int64_t* __restrict members, uint8_t* __restrict small,
+                int32_t* __restrict pending) {
+  const u8x64 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  auto flush = [&](int64_t c) {
+    for (int q = 0; q < 4; ++q) {
+      u8x16 part;
+      std::memcpy(&part, small + c * 64 + 16 * q, sizeof(part));
+      u32x16 wide = __builtin_convertvector(part, u32x16), total;
+      std::memcpy(&total, ones + c * 64 + 16 * q, sizeof(total));
+      total += wide;
+      std::memcpy(ones + c * 64 + 16 * q, &total, sizeof(total));
+    }
+    std::memset(small + c * 64, 0, 64);
+    pending[c] = 0;
+  };
   for (int64_t i = 0; i < n; ++i) {
     const int64_t c = assign[i];
     if (c < 0) continue;
     members[c] += 1;
-    const uint32_t words[2] = {static_cast<uint32_t>(hashes[i]), static_cast<uint32_t>(hashes[i] >> 32)};
-    uint32_t* count = ones + c * 64;
-    for (int k = 0; k < 4; ++k) {
-      const u32x16 bits = ((shift * 0 + words[k / 2]) >> (shift + 16 * (k % 2))) & 1u;
-      u32x16 v;
-      std::memcpy(&v, count + 16 * k, sizeof(v));
-      v += bits;
-      std::memcpy(count + 16 * k, &v, sizeof(v));
-    }
+    u64x8 h = {};
+    h += hashes[i];
+    u8x64 bytes;
+    std::memcpy(&bytes, &h, sizeof(bytes));
+    // byte b takes byte b / 8 of the hash (all copies of the hash sit in every 16-byte lane)
+    bytes = __builtin_shufflevector(bytes, bytes, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18, 18, 18,
+                                    18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19, 36, 36, 36, 36, 36, 36, 36, 36,
+                                    37, 37, 37, 37, 37, 37, 37, 37, 54, 54, 54, 54, 54, 54, 54, 54, 55, 55, 55, 55,
+                                    55, 55, 55, 55);
+    u8x64 count;
+    std::memcpy(&count, small + c * 64, sizeof(count));
+    count -= (u8x64)((bytes & bit) != 0);
+    std::memcpy(small + c * 64, &count, sizeof(count));
+    if (++pending[c] == 255) flush(c);
   }
+  for (int64_t c = 0; c < clusters; ++c)
+    if (pending[c] > 0) flush(c);
+}
+
+// New centroid bits: 2 * ones > members -> 1, < -> 0, equal (a tie, or an empty cluster) -> the old bit.
+// Returns whether any centroid changed.
+BC_MULTIVERSION
+bool majority_update(const uint32_t* __restrict ones, const int64_t* __restrict members, int64_t clusters,
+                     uint64_t mask, uint64_t* __restrict cent) {
+  bool changed = false;
+  for (int64_t c = 0; c < clusters; ++c) {
+    const int32_t m = static_cast<int32_t>(members[c]);
+    uint64_t above = 0, below = 0;
+    for (int w = 0; w < 4; ++w) {
+      i32x16 twice;
+      std::memcpy(&twice, ones + c * 64 + 16 * w, sizeof(twice));
+      twice = twice * 2;
+      above |= static_cast<uint64_t>(lane_bits((i32x16)(twice > m))) << (16 * w);
+      below |= static_cast<uint64_t>(lane_bits((i32x16)(twice < m))) << (16 * w);
+    }
+    const uint64_t updated = (above | (cent[c] & ~below)) & mask;
+    changed |= updated != cent[c];
+    cent[c] = updated;
+  }
+  return changed;
 }
 
 // Lloyd's K-means in Hamming space for one (row, head); see reference.hamming_kmeans for every rule.
@@ -213,6 +309,8 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   std::vector<int64_t> first;
   for (int64_t i = 0; i < n; ++i) {
     if (!valid[i]) continue;
+    TORCH_CHECK_VALUE(hashes_in[i] >= 0 && (bits == 63 || hashes_in[i] < (int64_t{1} << bits)),
+                      "hashes must be in 0..2^bits - 1 (as hash_queries returns), got ", hashes_in[i]);
     const uint64_t h = hashes[i];
     uint64_t slot = shift < 64 ? (h * 0x9E3779B97F4A7C15ULL) >> shift : 0;
     while (seen[slot] != kFree && seen[slot] != h) slot = (slot + 1) & cap_mask;
@@ -234,26 +332,16 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
 
   static const AssignFn assign_all = pick_assign();
   std::vector<uint32_t> ones(clusters * 64);
+  std::vector<uint8_t> small(clusters * 64);
+  std::vector<int32_t> pending(clusters);
   std::vector<int64_t> members(clusters);
   for (int64_t it = 0; it < iterations; ++it) {
     assign_all(hashes, valid, n, cent.data(), present.data(), clusters, mask, assign);
     std::fill(ones.begin(), ones.end(), 0u);
     std::fill(members.begin(), members.end(), 0);
-    count_bits(hashes, assign, n, ones.data(), members.data());
+    count_bits(hashes, assign, n, clusters, ones.data(), members.data(), small.data(), pending.data());
     // Majority vote per bit; a tied vote (including an empty cluster: 0 == 0) keeps the old bit.
-    bool changed = false;
-    for (int64_t c = 0; c < clusters; ++c) {
-      const uint32_t* count = ones.data() + c * 64;
-      uint64_t updated = 0;
-      for (int64_t b = 0; b < bits; ++b) {
-        const int64_t twice = 2 * static_cast<int64_t>(count[b]);
-        const uint64_t old_bit = (cent[c] >> b) & 1ULL;
-        const uint64_t bit = twice > members[c] ? 1ULL : (twice < members[c] ? 0ULL : old_bit);
-        updated |= bit << b;
-      }
-      changed |= updated != cent[c];
-      cent[c] = updated;
-    }
+    const bool changed = majority_update(ones.data(), members.data(), clusters, mask, cent.data());
     // A fixed point: the remaining rounds would reassign and re-vote to exactly the same values.
     if (!changed) break;
   }
@@ -265,21 +353,21 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
 
 at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes, const at::Tensor& offsets) {
   check_hash_args(queries, planes, offsets);
-  const at::Tensor q = queries.to(at::kFloat).contiguous();
+  const at::Tensor q = last_dim_contiguous(queries);
   const int64_t bits = planes.size(0), dk = queries.size(3);
-  const at::Tensor planes_t = at::zeros({dk, 64}, q.options());
-  planes_t.narrow(1, 0, bits).copy_(planes.to(at::kFloat).t());
-  const at::Tensor off = at::zeros({64}, q.options());
-  off.narrow(0, 0, bits).copy_(offsets.to(at::kFloat));
+  const auto f32 = queries.options().dtype(at::kFloat);
+  const at::Tensor planes_t = at::zeros({std::max<int64_t>(dk, 1), 64}, f32);
+  planes_t.narrow(0, 0, dk).narrow(1, 0, bits).copy_(planes.t());
+  const at::Tensor off = at::zeros({64}, f32);
+  off.narrow(0, 0, bits).copy_(offsets);
   at::Tensor out = at::empty(queries.sizes().slice(0, 3), queries.options().dtype(at::kLong));
   const int64_t count = out.numel();
-  const float* qp = q.data_ptr<float>();
-  const float* pt = planes_t.data_ptr<float>();
-  const float* op = off.data_ptr<float>();
-  int64_t* h = out.data_ptr<int64_t>();
-  parallel_for(0, count, grain_for(dk * 64), [&](int64_t begin, int64_t end) {
-    hash_rows(qp + begin * dk, pt, op, end - begin, dk, bits, h + begin);
-  });
+  if (count == 0) return out;
+  HashJob job{Rows::of(q), input_type(q), planes_t.data_ptr<float>(), off.data_ptr<float>(), queries.size(1),
+              queries.size(2), dk, bits, out.data_ptr<int64_t>()};
+  const int64_t vectors = (bits + 15) / 16;
+  parallel_for(0, count, grain_for(std::max<int64_t>(dk, 1) * vectors * 16),
+               [&](int64_t begin, int64_t end) { hash_range(job, begin, end); });
   return out;
 }
 

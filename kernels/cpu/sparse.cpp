@@ -1,300 +1,484 @@
-// group_queries, centroid_attention (scores + softmax + top-k + Vc + Vtop in one op), topk_refine
-// (gather + dot + softmax + weighted sum + combine in one op), broadcast_clusters and exact_attention on
-// the CPU. Softmax and accumulation in float32; see bert_cluster/reference.py for the rules.
+// group_queries, centroid_attention, topk_refine and broadcast_clusters on the CPU. Softmax and
+// accumulation in float32 (fp16/bf16 widened in registers, tile by tile); see bert_cluster/reference.py
+// for the rules reproduced.
+//
+// centroid_attention: one task per (row, head, 32 clusters): the clusters are the vector lanes (lanes.h),
+// scores, online softmax, top-k (bisection over the lanes, then merges) and Vc over tiles of 256 keys,
+// with no (C, N) matrix in memory. topk_refine: one task per (row, head): queries sorted by cluster, each
+// cluster's top-k keys transposed once (16 x 16 register transposes) and every member scored against them
+// as a small dense block, four members at a time.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../checks.h"
+#include "common.h"
+#include "lanes.h"
 #include "parallel.h"
 #include "vec.h"
 
 namespace bert_cluster {
 namespace {
 
-// A float32 contiguous copy (or view) of an attention tensor: fp16/bf16 are widened once, O(N D).
-at::Tensor as_float(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+// ---------------------------------------------------------------------------------------------------
+// group_queries
 
-// In-place masked softmax of one row of raw scores: row * scaling, padded keys masked; the scaled scores
-// are also written to `scaled` (used to rank keys) when it is not null. Returns false when the row has no
-// valid key: then the row is all zeros, as the reference's nan_to_num gives.
-BC_MULTIVERSION
-bool masked_softmax_row(float* __restrict row, float* __restrict scaled, const bool* __restrict valid, int64_t n,
-                        float scaling) {
-  for (int64_t l = 0; l < n; ++l) row[l] = valid[l] ? row[l] * scaling : kNegInf;
-  if (scaled != nullptr) std::copy(row, row + n, scaled);
-  const float mx = n > 0 ? max_of(row, n) : kNegInf;
-  if (mx == kNegInf) {
-    std::fill(row, row + n, 0.f);
-    return false;
+struct GroupJob {
+  Rows q;
+  InputType type;
+  const int64_t* assign;
+  int64_t heads, n, clusters, dk;
+  float* sums;
+  float* counts;
+};
+
+template <typename T>
+BC_INLINE void group_head(const GroupJob& job, int64_t rh, float* __restrict row) {
+  const int64_t r = rh / job.heads, h = rh % job.heads, n = job.n, dk = job.dk, clusters = job.clusters;
+  float* s = job.sums + rh * clusters * dk;
+  float* c = job.counts + rh * clusters;
+  const int64_t* a = job.assign + rh * n;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = a[i];
+    TORCH_CHECK_VALUE(j >= -1 && j < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", j);
+    if (j < 0) continue;
+    c[j] += 1.f;
+    const T* qi = job.q.at<T>(r, h, i);
+    const float* x;
+    if constexpr (std::is_same_v<T, float>) {
+      x = qi;
+    } else {
+      widen(qi, row, dk);
+      x = row;
+    }
+    axpy(s + j * dk, x, 1.f, dk);
   }
-  const float sum = exp_shift_sum(row, n, mx);  // padded keys: e^-inf clamps to ~1e-38, zeroed below
-  for (int64_t l = 0; l < n; ++l) row[l] = valid[l] ? row[l] : 0.f;
-  const float inv = 1.f / sum;
-  for (int64_t l = 0; l < n; ++l) row[l] *= inv;
-  return true;
+  for (int64_t j = 0; j < clusters; ++j) {
+    const float divisor = c[j] > 1.f ? c[j] : 1.f;
+    for (int64_t d = 0; d < dk; ++d) s[j * dk + d] /= divisor;
+  }
 }
 
-constexpr int64_t kLanes = 16;  // the width of f32x16 (vec.h)
-
-inline int64_t round_up(int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; }
-
-// Four members of one cluster at once (register blocking: each key / value vector loaded once serves four
-// queries, and the eight accumulators are independent FMA chains). qh: the head's (n, dk) queries, read
-// in place at rows member[0..4); scores: (4, kp);
-// rows: (4, dvp); out rows are written for member[0..4). Same layout rules as refine_members.
 BC_MULTIVERSION
-void refine_four(const float* __restrict qh, const int64_t* __restrict member, const float* __restrict kt,
-                 const float* __restrict vt, int64_t kv, int64_t dk, int64_t dv, const float* __restrict base,
-                 float mass, float scaling, float* __restrict scores, float* __restrict rows, float* __restrict out) {
-  constexpr int M = 4;
-  const int64_t kp = round_up(kv), dvp = round_up(dv);
-  const float* q[M];  // the members' query rows, read in place (qh: the head's queries)
-  for (int m = 0; m < M; ++m) q[m] = qh + member[m] * dk;
-  for (int64_t c = 0; c < kp; c += 2 * kLanes) {
-    const bool pair = c + kLanes < kp;
-    f32x16 a[M] = {}, b[M] = {};
+void group_heads(const GroupJob& job, int64_t begin, int64_t end) {
+  std::vector<float> row(job.dk);
+  for (int64_t rh = begin; rh < end; ++rh) {
+    switch (job.type) {
+      case InputType::kFloat32: group_head<float>(job, rh, row.data()); break;
+      case InputType::kBFloat16: group_head<c10::BFloat16>(job, rh, row.data()); break;
+      case InputType::kFloat16: group_head<c10::Half>(job, rh, row.data()); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// centroid_attention
+
+struct CentroidJob {
+  const float* centroids;  // (R, H, C, Dk) contiguous
+  Rows keys, values;
+  InputType type;
+  const bool* valid;
+  const int64_t *span_lo, *span_hi;
+  int64_t heads, n, clusters, groups, dk, dv, k;
+  float scaling;
+  float *centroid_values, *mass, *top_values;
+  int64_t* indices;
+};
+
+struct LaneScratch {
+  std::vector<float> qt, s, kbuf, vbuf, acc, row, weights, scores;
+  std::vector<const float*> rows;
+  std::vector<int32_t> first, last;
+  LaneTopK top;
+  LaneScratch(int64_t dk, int64_t dv, int64_t k)
+      : qt(std::max<int64_t>(dk, 1) * kLaneCount),
+        s(kKeyTile * kLaneCount),
+        kbuf(kKeyTile * std::max<int64_t>(dk, 1)),
+        vbuf(kKeyTile * pad16(std::max<int64_t>(dv, 1))),
+        acc(kLaneCount * pad16(std::max<int64_t>(dv, 1))),
+        row(std::max<int64_t>(k, 1) * std::max<int64_t>(dv, 1)),
+        weights(std::max<int64_t>(k, 1)),
+        scores(std::max<int64_t>(k, 1)),
+        rows(std::max<int64_t>(k, 1)),
+        first(kKeyTile),
+        last(kKeyTile) {}
+};
+
+// One (row, head, group of 32 clusters).
+void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
+  const int64_t rh = task / job.groups, g = task % job.groups;
+  const int64_t r = rh / job.heads, h = rh % job.heads;
+  const int64_t dk = job.dk, dv = job.dv, dvp = pad16(dv), k = job.k, n = job.n;
+  const int64_t c0 = g * kLaneCount, lanes = std::min<int64_t>(kLaneCount, job.clusters - c0);
+  const int lane_vectors = lanes <= 16 ? 1 : 2;
+  float* qt = sc.qt.data();
+  std::fill(sc.qt.begin(), sc.qt.end(), 0.f);
+  const float* cen = job.centroids + (rh * job.clusters + c0) * dk;
+  for (int64_t c = 0; c < lanes; ++c)
+    for (int64_t d = 0; d < dk; ++d) qt[d * kLaneCount + c] = cen[c * dk + d];
+  float* acc = sc.acc.data();
+  std::fill(acc, acc + kLaneCount * dvp, 0.f);
+  float m[kLaneCount], z[kLaneCount];
+  for (int c = 0; c < kLaneCount; ++c) {
+    m[c] = kNegInf;
+    z[c] = 0.f;
+  }
+  if (k > 0) sc.top.reset(k, lanes);
+  const bool* ok = job.valid + r * n;
+  float* s = sc.s.data();
+  for (int64_t j0 = job.span_lo[r]; j0 < job.span_hi[r]; j0 += kKeyTile) {
+    const int64_t rows = std::min(kKeyTile, job.span_hi[r] - j0);
+    int64_t ks = 0, vs = 0;
+    const float* kp = float_rows(job.keys, job.type, r, h, j0, rows, dk, dk, true, sc.kbuf.data(), &ks);
+    score_tile(qt, kp, ks, rows, dk, job.scaling, lane_vectors, s);
+    for (int64_t t = 0; t < rows; ++t) {  // padded keys, and lanes past the last cluster: no weight
+      sc.first[t] = 0;
+      sc.last[t] = ok[j0 + t] ? static_cast<int32_t>(lanes - 1) : -1;
+    }
+    mask_tile(s, rows, sc.first.data(), sc.last.data(), lane_vectors);
+    if (k > 0) topk_tile(sc.top, s, rows, j0, lane_vectors);
+    softmax_tile(s, rows, lanes, lane_vectors, m, z, acc, dvp);
+    const float* vp = float_rows(job.values, job.type, r, h, j0, rows, dv, dvp, dv % 16 == 0, sc.vbuf.data(), &vs);
+    accumulate_tile(s, vp, vs, rows, lanes, acc, dvp);
+  }
+  const bool values_in_place = job.type == InputType::kFloat32;
+  for (int64_t c = 0; c < lanes; ++c) {
+    const int64_t row = rh * job.clusters + c0 + c;
+    const float inv = z[c] > 0.f ? 1.f / z[c] : 0.f;
+    float* out = job.centroid_values + row * dv;
+    for (int64_t d = 0; d < dv; ++d) out[d] = acc[c * dvp + d] * inv;
+    if (k == 0) continue;
+    int64_t* idx = job.indices + row * k;
+    std::fill(idx, idx + k, -1);
+    const int64_t count = sc.top.count[c];
+    const uint64_t* list = sc.top.list.data() + c * k;
+    for (int64_t j = 0; j < count; ++j) sc.scores[j] = LaneTopK::score_of(list[j]);
+    exp_shifted(sc.scores.data(), count, m[c], inv, sc.weights.data());
+    float mass = 0.f;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t l = LaneTopK::index_of(list[j]);
+      idx[j] = l;
+      mass += sc.weights[j];
+      if (values_in_place) {
+        sc.rows[j] = job.values.at<float>(r, h, l);
+      } else {
+        widen_row(job.type, job.values.ptr(r, h, l), sc.row.data() + j * dv, dv);
+        sc.rows[j] = sc.row.data() + j * dv;
+      }
+    }
+    float* tv = job.top_values + row * dv;
+    std::fill(tv, tv + dv, 0.f);
+    weighted_rows(sc.weights.data(), sc.rows.data(), count, dv, tv);
+    job.mass[row] = mass;
+  }
+}
+
+void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
+  LaneScratch sc(job.dk, job.dv, job.k);
+  for (int64_t task = begin; task < end; ++task) centroid_task(job, task, sc);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// topk_refine
+
+struct RefineJob {
+  Rows q, keys, values;
+  InputType type;
+  const int64_t* assign;
+  const float *centroid_values, *mass, *top_values;
+  const int64_t* indices;
+  int64_t heads, n, clusters, k, dk, dv;
+  float scaling;
+  float* out;
+};
+
+constexpr int kRefineBlock = 8;  // members refined together (16 accumulators)
+
+struct RefineScratch {
+  std::vector<float> kt, kbuf, vbuf, base, scores, qbuf, tail;
+  std::vector<const float*> krows, vrows;
+  std::vector<int64_t> slot, start, fill, order;
+  RefineScratch(int64_t n, int64_t clusters, int64_t k, int64_t dk, int64_t dv)
+      : kt(std::max<int64_t>(dk, 1) * pad16(std::max<int64_t>(k, 1))),
+        kbuf(std::max<int64_t>(k, 1) * std::max<int64_t>(dk, 1)),
+        vbuf(std::max<int64_t>(k, 1) * pad16(std::max<int64_t>(dv, 1))),
+        base(pad16(std::max<int64_t>(dv, 1))),
+        scores(kRefineBlock * pad16(std::max<int64_t>(k, 1))),
+        qbuf(kRefineBlock * std::max<int64_t>(dk, 1)),
+        tail(16),
+        krows(std::max<int64_t>(k, 1)),
+        vrows(std::max<int64_t>(k, 1)),
+        slot(std::max<int64_t>(k, 1)),
+        start(clusters + 1),
+        fill(clusters),
+        order(std::max<int64_t>(n, 1)) {}
+};
+
+// kt (dk x kvp) = rows[0..kv) (dk floats each) transposed, zero-padded to kvp = pad16(kv) columns, in
+// 16 x 16 register blocks.
+BC_MULTIVERSION
+void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __restrict kt) {
+  const int64_t kvp = pad16(kv);
+  float part[16];
+  for (int64_t jb = 0; jb < kvp; jb += 16) {
+    for (int64_t db = 0; db < dk; db += 16) {
+      const int64_t width = std::min<int64_t>(16, dk - db);
+      f32x16 block[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        if (jb + jj >= kv) {
+          block[jj] = f32x16{};
+        } else if (width == 16) {
+          block[jj] = load16(rows[jb + jj] + db);
+        } else {
+          std::fill(part, part + 16, 0.f);
+          std::copy(rows[jb + jj] + db, rows[jb + jj] + db + width, part);
+          block[jj] = load16(part);
+        }
+      }
+      transpose16(block);
+      for (int64_t dd = 0; dd < width; ++dd) store16(kt + (db + dd) * kvp + jb, block[dd]);
+    }
+  }
+}
+
+// M (<= 8) members (query rows q[0..M)) against their cluster's kv keys: out rows = base + mass *
+// softmax(q K^T * scaling) V. kt: (dk x kvp) transposed keys; vrows: the kv value rows (dvp floats readable
+// each). Each key vector (scores) and value vector (outputs) is loaded once for the M members; 2M
+// accumulators stay in registers.
+template <int M>
+BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, int64_t kvp, int64_t kv,
+                            const float* const* vrows, const float* __restrict base, float mass, float scaling,
+                            int64_t dk, int64_t dv, int64_t dvp, float* __restrict scores, float* const* out,
+                            float* __restrict tail) {
+  const float* qm[M];
+  for (int m = 0; m < M; ++m) qm[m] = q[m];
+  int64_t c = 0;
+  for (; c + 32 <= kvp; c += 32) {
+    f32x16 a[M], b[M];
+    for (int m = 0; m < M; ++m) a[m] = b[m] = f32x16{};
     for (int64_t d = 0; d < dk; ++d) {
-      const f32x16 k0 = load16(kt + d * kp + c);
-      const f32x16 k1 = pair ? load16(kt + d * kp + c + kLanes) : f32x16{};
+      const f32x16 k0 = load16(kt + d * kvp + c), k1 = load16(kt + d * kvp + c + 16);
       for (int m = 0; m < M; ++m) {
-        const float x = q[m][d];
+        const float x = qm[m][d];
         a[m] += x * k0;
         b[m] += x * k1;
       }
     }
     for (int m = 0; m < M; ++m) {
-      store16(scores + m * kp + c, a[m] * scaling);
-      if (pair) store16(scores + m * kp + c + kLanes, b[m] * scaling);
+      store16(scores + m * kvp + c, a[m] * scaling);
+      store16(scores + m * kvp + c + 16, b[m] * scaling);
     }
+  }
+  if (c < kvp) {
+    f32x16 a[M];
+    for (int m = 0; m < M; ++m) a[m] = f32x16{};
+    for (int64_t d = 0; d < dk; ++d) {
+      const f32x16 k0 = load16(kt + d * kvp + c);
+      for (int m = 0; m < M; ++m) a[m] += qm[m][d] * k0;
+    }
+    for (int m = 0; m < M; ++m) store16(scores + m * kvp + c, a[m] * scaling);
   }
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int m = 0; m < M; ++m) {
-    float* sm = scores + m * kp;
-    const float mx = max_of(sm, kv);
-    f32x16 acc = {};
-    for (int64_t c = 0; c < kp; c += kLanes) {
-      f32x16 e = fast_exp16(load16(sm + c) - mx);
-      e = lane + static_cast<float>(c) < static_cast<float>(kv) ? e : f32x16{};  // padding lanes: 0
-      acc += e;
-      store16(sm + c, e);
+    float* sm = scores + m * kvp;
+    f32x16 mx = f32x16{} + kNegInf;
+    for (int64_t j = 0; j < kvp; j += 16) {
+      const f32x16 x = load16(sm + j);
+      mx = (lane + static_cast<float>(j) < static_cast<float>(kv)) & (x > mx) ? x : mx;
     }
-    float sum = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum += acc[j];
-    const float coef = mass / sum;
-    for (int64_t c = 0; c < kp; c += kLanes) store16(sm + c, load16(sm + c) * coef);
+    const float top = hmax(mx);
+    f32x16 acc = {};
+    for (int64_t j = 0; j < kvp; j += 16) {
+      f32x16 e = fast_exp16(load16(sm + j) - top);
+      e = lane + static_cast<float>(j) < static_cast<float>(kv) ? e : f32x16{};  // padding slots: no weight
+      acc += e;
+      store16(sm + j, e);
+    }
+    const float coef = mass / hsum(acc);
+    for (int64_t j = 0; j < kvp; j += 16) store16(sm + j, load16(sm + j) * coef);
   }
-  for (int64_t c = 0; c < dvp; c += 2 * kLanes) {
-    const bool pair = c + kLanes < dvp;
-    const f32x16 b0 = load16(base + c);
-    const f32x16 b1 = pair ? load16(base + c + kLanes) : f32x16{};
+  int64_t d = 0;
+  for (; d + 32 <= dvp; d += 32) {
     f32x16 a[M], b[M];
+    const f32x16 b0 = load16(base + d), b1 = load16(base + d + 16);
     for (int m = 0; m < M; ++m) {
       a[m] = b0;
       b[m] = b1;
     }
-    for (int64_t l = 0; l < kv; ++l) {
-      const f32x16 v0 = load16(vt + l * dvp + c);
-      const f32x16 v1 = pair ? load16(vt + l * dvp + c + kLanes) : f32x16{};
+    for (int64_t j = 0; j < kv; ++j) {
+      const float* vr = vrows[j] + d;
+      const f32x16 x0 = load16(vr), x1 = load16(vr + 16);
       for (int m = 0; m < M; ++m) {
-        const float w = scores[m * kp + l];
-        a[m] += w * v0;
-        b[m] += w * v1;
+        const float w = scores[m * kvp + j];
+        a[m] += w * x0;
+        b[m] += w * x1;
       }
     }
     for (int m = 0; m < M; ++m) {
-      // Straight into the output row when it holds whole vectors, else through `rows`.
-      float* dst = dvp == dv ? out + member[m] * dv : rows + m * dvp;
-      store16(dst + c, a[m]);
-      if (pair) store16(dst + c + kLanes, b[m]);
+      if (d + 32 <= dv) {
+        store16(out[m] + d, a[m]);
+        store16(out[m] + d + 16, b[m]);
+      } else {  // the last, partial chunk of a row
+        store16(out[m] + d, a[m]);
+        store16(tail, b[m]);
+        std::copy(tail, tail + (dv - d - 16), out[m] + d + 16);
+      }
     }
   }
-  if (dvp != dv)
-    for (int m = 0; m < M; ++m) std::copy(rows + m * dvp, rows + m * dvp + dv, out + member[m] * dv);
+  if (d < dvp) {
+    f32x16 a[M];
+    const f32x16 b0 = load16(base + d);
+    for (int m = 0; m < M; ++m) a[m] = b0;
+    for (int64_t j = 0; j < kv; ++j) {
+      const f32x16 x = load16(vrows[j] + d);
+      for (int m = 0; m < M; ++m) a[m] += scores[m * kvp + j] * x;
+    }
+    for (int m = 0; m < M; ++m) {
+      store16(tail, a[m]);
+      std::copy(tail, tail + (dv - d), out[m] + d);
+    }
+  }
 }
 
-// The members of one cluster: refine each query's output with the cluster's top-k keys.
-// q: (members, dk) gathered queries; kt: (dk, kp) the cluster's valid top-k keys, transposed and
-// zero-padded to kp = round_up(kv) columns; vt: (kv, dvp) their values zero-padded to dvp = round_up(dv);
-// base: (dvp) Vc - Vtop. Every inner step is one kLanes-wide vector operation, no remainder handling.
 BC_MULTIVERSION
-void refine_members(const float* __restrict q, const int64_t* __restrict member, int64_t members,
-                    const float* __restrict kt, const float* __restrict vt, int64_t kv, int64_t dk, int64_t dv,
-                    const float* __restrict base, float mass, float scaling, float* __restrict scores,
-                    float* __restrict row, float* __restrict out) {
-  const int64_t kp = round_up(kv), dvp = round_up(dv);
-  for (int64_t m = 0; m < members; ++m) {
-    const float* qm = q + m * dk;
-    float* o = out + member[m] * dv;
-    if (kv == 0) {
-      for (int64_t d = 0; d < dv; ++d) o[d] = base[d];
+void refine_members(int count, const float* const* q, const float* kt, int64_t kvp, int64_t kv,
+                    const float* const* vrows, const float* base, float mass, float scaling, int64_t dk, int64_t dv,
+                    int64_t dvp, float* scores, float* const* out, float* tail) {
+  switch (count) {
+    case 8: refine_block<8>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 7: refine_block<7>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 6: refine_block<6>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 5: refine_block<5>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 4: refine_block<4>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 3: refine_block<3>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    case 2: refine_block<2>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
+    default: refine_block<1>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail);
+  }
+}
+
+void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
+  const int64_t r = rh / job.heads, h = rh % job.heads;
+  const int64_t n = job.n, clusters = job.clusters, k = job.k, dk = job.dk, dv = job.dv, dvp = pad16(dv);
+  const int64_t* a = job.assign + rh * n;
+  float* out = job.out + rh * n * dv;
+  // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
+  int64_t* st = sc.start.data();
+  std::fill(st, st + clusters + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(a[i] >= -1 && a[i] < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ",
+                      a[i]);
+    if (a[i] >= 0) {
+      st[a[i] + 1] += 1;
+    } else {
+      std::fill(out + i * dv, out + (i + 1) * dv, 0.f);  // padded query: zeros
+    }
+  }
+  for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
+  std::copy(st, st + clusters, sc.fill.begin());
+  for (int64_t i = 0; i < n; ++i)
+    if (a[i] >= 0) sc.order[sc.fill[a[i]]++] = i;
+  const bool is_float = job.type == InputType::kFloat32;
+  // The rows of a cluster's top-k keys and values sit anywhere in the head: start fetching those of the
+  // next cluster while this one computes (they are the first touch, from L2 or further).
+  auto prefetch_cluster = [&](int64_t c) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t l = job.indices[(rh * clusters + c) * k + j];
+      if (l < 0 || l >= n) continue;
+      const char* key = static_cast<const char*>(job.keys.ptr(r, h, l));
+      const char* value = static_cast<const char*>(job.values.ptr(r, h, l));
+      for (int64_t b = 0; b < dk * job.keys.itemsize; b += 64) __builtin_prefetch(key + b);
+      for (int64_t b = 0; b < dv * job.values.itemsize; b += 64) __builtin_prefetch(value + b);
+    }
+  };
+  int64_t next = 0;
+  while (next < clusters && st[next + 1] == st[next]) ++next;
+  if (next < clusters) prefetch_cluster(next);
+  for (int64_t c = 0; c < clusters; ++c) {
+    const int64_t members = st[c + 1] - st[c];
+    if (members == 0) continue;
+    next = c + 1;
+    while (next < clusters && st[next + 1] == st[next]) ++next;
+    if (next < clusters) prefetch_cluster(next);
+    const int64_t* member = sc.order.data() + st[c];
+    const int64_t task = rh * clusters + c;
+    float* base = sc.base.data();
+    std::fill(base, base + dvp, 0.f);
+    for (int64_t d = 0; d < dv; ++d) base[d] = job.centroid_values[task * dv + d] - job.top_values[task * dv + d];
+    int64_t kv = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t l = job.indices[task * k + j];
+      TORCH_CHECK_VALUE(l >= -1 && l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
+      if (l >= 0) sc.slot[kv++] = l;
+    }
+    if (kv == 0) {  // no valid key in the row: the centroid output as it is
+      for (int64_t j = 0; j < members; ++j) std::copy(base, base + dv, out + member[j] * dv);
       continue;
     }
-    // Scores, two 16-key chunks at a time with even/odd features in separate accumulators: four
-    // independent FMA chains instead of one (the loop is latency-bound otherwise).
-    for (int64_t c = 0; c < kp; c += 2 * kLanes) {
-      const bool pair = c + kLanes < kp;
-      f32x16 a0 = {}, a1 = {}, b0 = {}, b1 = {};
-      int64_t d = 0;
-      for (; d + 1 < dk; d += 2) {
-        const float* k0 = kt + d * kp + c;
-        const float* k1 = k0 + kp;
-        a0 += qm[d] * load16(k0);
-        a1 += qm[d + 1] * load16(k1);
-        if (pair) {
-          b0 += qm[d] * load16(k0 + kLanes);
-          b1 += qm[d + 1] * load16(k1 + kLanes);
+    // The cluster's keys (transposed) and values, gathered once for all its members.
+    for (int64_t j = 0; j < kv; ++j) {
+      if (is_float) {
+        sc.krows[j] = job.keys.at<float>(r, h, sc.slot[j]);
+      } else {
+        widen_row(job.type, job.keys.ptr(r, h, sc.slot[j]), sc.kbuf.data() + j * dk, dk);
+        sc.krows[j] = sc.kbuf.data() + j * dk;
+      }
+      if (is_float && dv % 16 == 0) {
+        sc.vrows[j] = job.values.at<float>(r, h, sc.slot[j]);
+      } else {
+        float* dst = sc.vbuf.data() + j * dvp;
+        widen_row(job.type, job.values.ptr(r, h, sc.slot[j]), dst, dv);
+        std::fill(dst + dv, dst + dvp, 0.f);
+        sc.vrows[j] = dst;
+      }
+    }
+    const int64_t kvp = pad16(kv);
+    transpose_rows(sc.krows.data(), kv, dk, sc.kt.data());
+    const float mass = job.mass[task];
+    for (int64_t m0 = 0; m0 < members; m0 += kRefineBlock) {
+      const int count = static_cast<int>(std::min<int64_t>(kRefineBlock, members - m0));
+      const float* qrows[kRefineBlock];
+      float* orows[kRefineBlock];
+      for (int m = 0; m < count; ++m) {
+        if (is_float) {
+          qrows[m] = job.q.at<float>(r, h, member[m0 + m]);
+        } else {
+          widen_row(job.type, job.q.ptr(r, h, member[m0 + m]), sc.qbuf.data() + m * dk, dk);
+          qrows[m] = sc.qbuf.data() + m * dk;
         }
+        orows[m] = out + member[m0 + m] * dv;
       }
-      if (d < dk) {
-        a0 += qm[d] * load16(kt + d * kp + c);
-        if (pair) b0 += qm[d] * load16(kt + d * kp + c + kLanes);
-      }
-      store16(scores + c, (a0 + a1) * scaling);
-      if (pair) store16(scores + c + kLanes, (b0 + b1) * scaling);
+      refine_members(count, qrows, sc.kt.data(), kvp, kv, sc.vrows.data(), base, mass, job.scaling, dk, dv, dvp,
+                     sc.scores.data(), orows, sc.tail.data());
     }
-    const float sum = exp_shift_sum(scores, kv, max_of(scores, kv));
-    const float coef = mass / sum;
-    for (int64_t l = 0; l < kv; ++l) scores[l] *= coef;
-    // Weighted values, the same way: two 16-feature chunks, even/odd keys apart.
-    for (int64_t c = 0; c < dvp; c += 2 * kLanes) {
-      const bool pair = c + kLanes < dvp;
-      f32x16 a0 = load16(base + c), a1 = {}, b0 = {}, b1 = {};
-      if (pair) b0 = load16(base + c + kLanes);
-      int64_t l = 0;
-      for (; l + 1 < kv; l += 2) {
-        const float* v0 = vt + l * dvp + c;
-        const float* v1 = v0 + dvp;
-        a0 += scores[l] * load16(v0);
-        a1 += scores[l + 1] * load16(v1);
-        if (pair) {
-          b0 += scores[l] * load16(v0 + kLanes);
-          b1 += scores[l + 1] * load16(v1 + kLanes);
-        }
-      }
-      if (l < kv) {
-        a0 += scores[l] * load16(vt + l * dvp + c);
-        if (pair) b0 += scores[l] * load16(vt + l * dvp + c + kLanes);
-      }
-      store16(row + c, a0 + a1);
-      if (pair) store16(row + c + kLanes, b0 + b1);
-    }
-    for (int64_t d = 0; d < dv; ++d) o[d] = row[d];
   }
 }
 
-// The k best valid keys of one row by (score desc, index asc), by insertion into a sorted list: after the
-// first k keys almost every key is rejected by one comparison with the current k-th score, kept in a
-// register. Returns how many were taken (fewer than k when the row has fewer valid keys).
-int64_t select_topk(const float* __restrict s, const bool* __restrict valid, int64_t n, int64_t k,
-                    int64_t* __restrict top) {
-  int64_t filled = 0;
-  float threshold = kNegInf;  // the k-th best score once k are taken
-  for (int64_t l = 0; l < n; ++l) {
-    const float sl = s[l];
-    if (filled == k && !(sl > threshold)) continue;  // equal score: the earlier (lower) index stays
-    if (!valid[l]) continue;
-    int64_t pos = filled == k ? k - 1 : filled++;
-    while (pos > 0 && sl > s[top[pos - 1]]) {
-      top[pos] = top[pos - 1];
-      --pos;
-    }
-    top[pos] = l;
-    if (filled == k) threshold = s[top[k - 1]];
-  }
-  return filled;
-}
-
-// Mass and weighted value sum of one centroid's top-k keys (w: the row's weights, v: the head's values).
-BC_MULTIVERSION
-float topk_part(const float* __restrict w, const float* __restrict v, const int64_t* __restrict idx, int64_t take,
-                int64_t dv, float* __restrict out) {
-  float m = 0.f;
-  for (int64_t j = 0; j < take; ++j) {
-    const int64_t l = idx[j];
-    m += w[l];
-    axpy(out, v + l * dv, w[l], dv);
-  }
-  return m;
-}
-
-// out[0..dv) = sum_l w[l] v[l] over the n keys of a head (one centroid's Vc row; padded keys have w = 0).
-// Accumulates in place in `out` (dv floats, in L1), two keys per step.
-BC_MULTIVERSION
-void weighted_sum(const float* __restrict w, const float* __restrict v, int64_t n, int64_t dv,
-                  float* __restrict out) {
-  std::fill(out, out + dv, 0.f);
-  int64_t l = 0;
-  for (; l + 1 < n; l += 2) {
-    const float w0 = w[l], w1 = w[l + 1];
-    const float* v0 = v + l * dv;
-    const float* v1 = v0 + dv;
-    for (int64_t d = 0; d < dv; ++d) out[d] += w0 * v0[d] + w1 * v1[d];
-  }
-  if (l < n) axpy(out, v + l * dv, w[l], dv);
-}
-
-// weighted_sum for four rows of weights (w, w + n, w + 2n, w + 3n) over the same values, dv a multiple of
-// 16: each value vector is loaded once for four rows (out: four rows of dv).
-BC_MULTIVERSION
-void weighted_sum4(const float* __restrict w, const float* __restrict v, int64_t n, int64_t dv,
-                   float* __restrict out) {
-  for (int64_t c = 0; c < dv; c += kLanes) {
-    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int64_t l = 0; l < n; ++l) {
-      const f32x16 x = load16(v + l * dv + c);
-      a0 += w[l] * x;
-      a1 += w[n + l] * x;
-      a2 += w[2 * n + l] * x;
-      a3 += w[3 * n + l] * x;
-    }
-    store16(out + c, a0);
-    store16(out + dv + c, a1);
-    store16(out + 2 * dv + c, a2);
-    store16(out + 3 * dv + c, a3);
-  }
+void refine_heads(const RefineJob& job, int64_t begin, int64_t end) {
+  RefineScratch sc(job.n, job.clusters, job.k, job.dk, job.dv);
+  for (int64_t rh = begin; rh < end; ++rh) refine_head(job, rh, sc);
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, const at::Tensor& assignments,
                                                      int64_t clusters) {
-  check_dim(queries, 4, "queries", "(R, H, N, Dk)");
-  check_attention_dtype(queries, "queries");
-  TORCH_CHECK_VALUE(clusters >= 1, "clusters must be >= 1, got ", clusters);
+  check_group_args(queries, assignments, clusters);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2), dk = queries.size(3);
-  check_assignments(assignments, rows, heads, n, queries);
-  const at::Tensor q = as_float(queries);
+  const at::Tensor q = last_dim_contiguous(queries);
   const at::Tensor a = assignments.contiguous();
-  at::Tensor sums = at::zeros({rows, heads, clusters, dk}, q.options());
-  at::Tensor counts = at::zeros({rows, heads, clusters}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t* ap = a.data_ptr<int64_t>();
-  float* sp = sums.data_ptr<float>();
-  float* cp = counts.data_ptr<float>();
-  parallel_for(0, rows * heads, grain_for(n * dk), [&](int64_t begin, int64_t end) {
-    for (int64_t rh = begin; rh < end; ++rh) {
-      float* s = sp + rh * clusters * dk;
-      float* c = cp + rh * clusters;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t j = ap[rh * n + i];
-        if (j < 0) continue;
-        TORCH_CHECK_VALUE(j < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", j);
-        c[j] += 1.f;
-        axpy(s + j * dk, qp + (rh * n + i) * dk, 1.f, dk);
-      }
-      for (int64_t j = 0; j < clusters; ++j) {
-        const float divisor = c[j] > 1.f ? c[j] : 1.f;
-        for (int64_t d = 0; d < dk; ++d) s[j * dk + d] /= divisor;
-      }
-    }
-  });
+  const auto f32 = queries.options().dtype(at::kFloat);
+  at::Tensor sums = at::zeros({rows, heads, clusters, dk}, f32);
+  at::Tensor counts = at::zeros({rows, heads, clusters}, f32);
+  if (rows * heads == 0) return {sums, counts};
+  GroupJob job{Rows::of(q), input_type(q), a.data_ptr<int64_t>(), heads, n, clusters, dk,
+               sums.data_ptr<float>(), counts.data_ptr<float>()};
+  parallel_for(0, rows * heads, grain_for(n * dk), [&](int64_t begin, int64_t end) { group_heads(job, begin, end); });
   return {sums, counts};
 }
 
@@ -302,64 +486,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
     const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
     int64_t topk, double scaling) {
   check_centroid_args(centroids, keys, values, valid, topk);
-  const int64_t rows = keys.size(0), heads = keys.size(1), n = keys.size(2), dv = values.size(3);
+  const int64_t rows = keys.size(0), heads = keys.size(1), n = keys.size(2), dk = keys.size(3), dv = values.size(3);
   const int64_t clusters = centroids.size(2);
   const int64_t k = std::min(topk, n);
-  const float scale = static_cast<float>(scaling);
-  // Same GEMM as the reference (centroids @ keys.float().T), so the scores that rank the keys agree bit for bit.
-  at::Tensor weights = at::matmul(centroids, keys.to(at::kFloat).transpose(-1, -2)).contiguous();
-  const at::Tensor v = as_float(values);
+  const at::Tensor cen = centroids.contiguous();
+  const at::Tensor kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor ok = valid.contiguous();
+  const auto f32 = keys.options().dtype(at::kFloat);
+  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, f32);
   at::Tensor indices = at::empty({rows, heads, clusters, k}, keys.options().dtype(at::kLong));
-  at::Tensor mass = at::zeros({rows, heads, clusters}, weights.options());
-  at::Tensor top_values = at::zeros({rows, heads, clusters, dv}, weights.options());
-  float* wp = weights.data_ptr<float>();
-  const bool* okp = ok.data_ptr<bool>();
-  const float* vp = v.data_ptr<float>();
-  int64_t* ip = indices.data_ptr<int64_t>();
-  float* mp = mass.data_ptr<float>();
-  float* tp = top_values.data_ptr<float>();
-  // Vc = weights @ values inside the same region (no second GEMM and its parallel region).
-  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, weights.options());
-  float* cvp = centroid_values.data_ptr<float>();
-  // Per centroid row: scale, mask, exp, normalise, select and Vc over n keys, ~(128 + dv) steps per key.
-  parallel_for(0, rows * heads * clusters, grain_for(n * (128 + dv)), [&](int64_t begin, int64_t end) {
-    std::vector<float> scaled(k > 0 ? n : 0);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t r = row / (heads * clusters);
-      const int64_t rh = row / clusters;
-      float* w = wp + row * n;
-      const bool* okr = okp + r * n;
-      const bool any = masked_softmax_row(w, k > 0 ? scaled.data() : nullptr, okr, n, scale);
-      if (k == 0) continue;
-      int64_t* idx = ip + row * k;
-      std::fill(idx, idx + k, -1);
-      if (!any) continue;
-      // Top-k by scaled score (softmax is monotone), ties to the lowest key index, padded keys never.
-      const int64_t take = select_topk(scaled.data(), okr, n, k, idx);
-      const float m = topk_part(w, vp + rh * n * dv, idx, take, dv, tp + row * dv);
-      mp[row] = m;
-    }
-    // Vc rows, four centroids of one head at a time where possible.
-    for (int64_t row = begin; row < end;) {
-      const int64_t rh = row / clusters;
-      const int64_t run = std::min(end, (rh + 1) * clusters) - row;
-      const float* vh = vp + rh * n * dv;
-      if (run >= 4 && dv % kLanes == 0) {
-        weighted_sum4(wp + row * n, vh, n, dv, cvp + row * dv);
-        row += 4;
-      } else {
-        weighted_sum(wp + row * n, vh, n, dv, cvp + row * dv);
-        row += 1;
-      }
-    }
-  });
+  at::Tensor mass = at::zeros({rows, heads, clusters}, f32);
+  at::Tensor top_values = at::zeros({rows, heads, clusters, dv}, f32);
+  if (rows * heads * clusters == 0) return {centroid_values, indices, mass, top_values};
+  std::vector<int64_t> lo(rows), hi(rows);
+  valid_spans(ok.data_ptr<bool>(), rows, n, lo.data(), hi.data());
+  const int64_t groups = (clusters + kLaneCount - 1) / kLaneCount;
+  CentroidJob job{cen.data_ptr<float>(), Rows::of(kk), Rows::of(vv), input_type(kk), ok.data_ptr<bool>(),
+                  lo.data(), hi.data(), heads, n, clusters, groups, dk, dv, k, static_cast<float>(scaling),
+                  centroid_values.data_ptr<float>(), mass.data_ptr<float>(), top_values.data_ptr<float>(),
+                  indices.data_ptr<int64_t>()};
+  TORCH_CHECK_TYPE(kk.scalar_type() == vv.scalar_type(), "keys and values must share one dtype, got ",
+                   kk.scalar_type(), " and ", vv.scalar_type());
+  // Per task: scores, softmax and Vc over n keys for 32 lanes, ~(dk + dv + 16) steps per key and lane.
+  parallel_for(0, rows * heads * groups, grain_for(n * (dk + dv + 16) * kLaneCount / 16),
+               [&](int64_t begin, int64_t end) { centroid_tasks(job, begin, end); });
   return {centroid_values, indices, mass, top_values};
 }
-
-}  // namespace bert_cluster
-
-namespace bert_cluster {
 
 at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& assignments, const at::Tensor& centroid_values,
@@ -369,83 +521,16 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);
   const int64_t clusters = centroid_values.size(2), k = topk_indices.size(3);
-  const at::Tensor q = as_float(queries), kf = as_float(keys), vf = as_float(values);
+  const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor a = assignments.contiguous(), cv = centroid_values.contiguous();
   const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
-  at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
-
-  const int64_t* ap = a.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  const float* kp_ = kf.data_ptr<float>();
-  const float* vp = vf.data_ptr<float>();
-  const float* cvp = cv.data_ptr<float>();
-  const int64_t* tip = ti.data_ptr<int64_t>();
-  const float* tmp = tm.data_ptr<float>();
-  const float* tvp = tv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  const int64_t kp = round_up(k), dvp = round_up(dv);
-  // One parallel region over (row, head): each task sorts its queries by cluster, then refines cluster by
-  // cluster (one region instead of two: every region is a barrier that waits for the slowest thread).
-  parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, kt(dk * kp), vt(k * dvp), scores(4 * kp), base(dvp), row(4 * dvp);
-    std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
-    for (int64_t rh = begin; rh < end; ++rh) {
-      // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
-      int64_t* st = start.data();
-      std::fill(st, st + clusters + 1, 0);
-      const int64_t* ar = ap + rh * n;
-      for (int64_t i = 0; i < n; ++i) {
-        TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
-                          ", got ", ar[i]);
-        if (ar[i] >= 0) {
-          st[ar[i] + 1] += 1;
-        } else {
-          std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
-        }
-      }
-      for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
-      std::copy(st, st + clusters, fill.begin());
-      for (int64_t i = 0; i < n; ++i)
-        if (ar[i] >= 0) order[fill[ar[i]]++] = i;
-      for (int64_t c = 0; c < clusters; ++c) {
-        const int64_t task = rh * clusters + c;
-        const int64_t members = st[c + 1] - st[c];
-        if (members == 0) continue;
-        const int64_t* member = order.data() + st[c];
-        // The cluster's valid top-k keys (transposed) and values, gathered once for all its members.
-        int64_t kv = 0;
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t l = tip[task * k + j];
-          if (l < 0) continue;
-          TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
-          slot[kv++] = l;
-        }
-        const int64_t kvp = round_up(kv);
-        std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
-        std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
-        for (int64_t j = 0; j < kv; ++j) {
-          const float* key = kp_ + (rh * n + slot[j]) * dk;
-          for (int64_t d = 0; d < dk; ++d) kt[d * kvp + j] = key[d];
-          std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
-        }
-        std::fill(base.begin(), base.end(), 0.f);
-        for (int64_t d = 0; d < dv; ++d) base[d] = cvp[task * dv + d] - tvp[task * dv + d];
-        int64_t m = 0;
-        if (kv > 0) {
-          for (; m + 4 <= members; m += 4)
-            refine_four(qp + rh * n * dk, member + m, kt.data(), vt.data(), kv, dk, dv, base.data(), tmp[task],
-                        scale, scores.data(), row.data(), op + rh * n * dv);
-        }
-        // The remaining members (fewer than four), gathered.
-        qbuf.resize((members - m) * dk);
-        for (int64_t j = m; j < members; ++j)
-          std::copy(qp + (rh * n + member[j]) * dk, qp + (rh * n + member[j] + 1) * dk, qbuf.begin() + (j - m) * dk);
-        refine_members(qbuf.data(), member + m, members - m, kt.data(), vt.data(), kv, dk, dv, base.data(),
-                       tmp[task], scale, scores.data(), row.data(), op + rh * n * dv);
-      }
-    }
-  });
+  at::Tensor out = at::empty({rows, heads, n, dv}, queries.options().dtype(at::kFloat));  // every row is written
+  if (out.numel() == 0) return out;
+  RefineJob job{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), a.data_ptr<int64_t>(),
+                cv.data_ptr<float>(), tm.data_ptr<float>(), tv.data_ptr<float>(), ti.data_ptr<int64_t>(),
+                heads, n, clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
+  parallel_for(0, rows * heads, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
+               [&](int64_t begin, int64_t end) { refine_heads(job, begin, end); });
   return out;
 }
 
@@ -459,7 +544,7 @@ at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::T
     const scalar_t* cvp = cv.data_ptr<scalar_t>();
     const int64_t* ap = a.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    parallel_for(0, rows * heads * n, 256, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows * heads * n, grain_for(dv), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t c = ap[i];
         TORCH_CHECK_VALUE(c >= -1 && c < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", c);
@@ -476,36 +561,11 @@ at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::T
   return out;
 }
 
-at::Tensor exact_attention_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                               const at::Tensor& valid, double scaling) {
-  check_qkv(queries, keys, values);
-  const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
-  check_valid(valid, rows, n, queries);
-  at::Tensor weights = at::matmul(queries.to(at::kFloat), keys.to(at::kFloat).transpose(-1, -2)).contiguous();
-  const at::Tensor ok = valid.contiguous();
-  float* wp = weights.data_ptr<float>();
-  const bool* okp = ok.data_ptr<bool>();
-  const float scale = static_cast<float>(scaling);
-  parallel_for(0, rows * heads * n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t r = row / (heads * n), i = row % n;
-      float* w = wp + row * n;
-      if (!okp[r * n + i]) {  // padded query: zero output
-        std::fill(w, w + n, 0.f);
-        continue;
-      }
-      masked_softmax_row(w, nullptr, okp + r * n, n, scale);
-    }
-  });
-  return at::matmul(weights, values.to(at::kFloat));
-}
-
 TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("group_queries", &group_queries_cpu);
   m.impl("centroid_attention", &centroid_attention_cpu);
   m.impl("topk_refine", &topk_refine_cpu);
   m.impl("broadcast_clusters", &broadcast_clusters_cpu);
-  m.impl("exact_attention", &exact_attention_cpu);
 }
 
 }  // namespace bert_cluster

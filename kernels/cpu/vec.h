@@ -4,10 +4,14 @@
 // stays portable without -march=native.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 // ISA levels, not CPU models: "arch=skylake-avx512" would be chosen by CPU model (__builtin_cpu_is) and so
 // never on an AMD EPYC with AVX-512; "arch=x86-64-v4" is chosen by features (GCC >= 12).
@@ -131,6 +135,131 @@ BC_INLINE float exp_shift_sum(float* __restrict x, int64_t n, float shift) {
 // out += w * x
 BC_INLINE void axpy(float* __restrict out, const float* __restrict x, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += w * x[i];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Input dtypes, widened to float32 in registers: 16 values at a time (bf16: a shift; fp16: the ISA's
+// conversion, F16C / AVX-512 in the v3 / v4 clones) or one at a time.
+
+typedef uint16_t u16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
+typedef uint32_t u32x16 __attribute__((vector_size(16 * sizeof(uint32_t))));
+typedef _Float16 f16x16 __attribute__((vector_size(16 * sizeof(_Float16))));
+
+BC_INLINE f32x16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+BC_INLINE f32x16 load16(const c10::Half* p) {
+  f16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, f32x16);
+}
+
+BC_INLINE float to_float(float x) { return x; }
+BC_INLINE float to_float(c10::BFloat16 x) {
+  const uint32_t w = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+BC_INLINE float to_float(c10::Half x) {
+  _Float16 h;
+  std::memcpy(&h, &x.x, sizeof(h));
+  return static_cast<float>(h);
+}
+
+// dst[0..n) = src[0..n) as float32 (n need not be a multiple of 16).
+template <typename T>
+BC_INLINE void widen(const T* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  } else {
+    for (; i + 16 <= n; i += 16) store16(dst + i, load16(src + i));
+    for (; i < n; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+// The lanes of a comparison result (-1 / 0 per lane) as a 16-bit mask, lane i -> bit i.
+BC_INLINE uint32_t lane_bits(i32x16 mask) {
+  const i32x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  i32x16 t = mask & bit;
+  t |= __builtin_shufflevector(t, t, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  t |= __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return static_cast<uint32_t>(t[0]);
+}
+
+BC_INLINE float hmax(f32x16 v) {
+  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+          ? v
+          : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  float m = v[0];
+  for (int j = 1; j < 8; ++j) m = v[j] > m ? v[j] : m;
+  return m;
+}
+
+// Sum of the 16 lanes in a fixed order (so a result never depends on how a loop was split).
+BC_INLINE float hsum(f32x16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// In-place transpose of a 16 x 16 block held in 16 vectors (r[i][j] -> r[j][i]): 4 rounds of 16
+// two-source shuffles (one vpermt2ps each on AVX-512).
+BC_INLINE void transpose16(f32x16* r) {
+  f32x16 t[16];
+  for (int i = 0; i < 16; i += 2) {  // interleave pairs of rows, element by element
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+  for (int i = 0; i < 16; i += 4) {  // pairs of elements: r[i + e] holds element e (of each 4) of 4 rows
+    for (int j = 0; j < 2; ++j) {
+      r[i + 2 * j] =
+          __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      r[i + 2 * j + 1] =
+          __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  }
+  for (int i = 0; i < 16; i += 8) {  // quads
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = __builtin_shufflevector(r[i + j], r[i + j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      t[i + j + 4] =
+          __builtin_shufflevector(r[i + j], r[i + j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {  // octets
+    r[j] = __builtin_shufflevector(t[j], t[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    r[j + 8] = __builtin_shufflevector(t[j], t[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+}
+
+// Float <-> totally ordered integer keys: a < b as floats (no NaN) iff key(a) < key(b) as signed int32.
+BC_INLINE int32_t order_key(float x) {
+  int32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b ^ ((b >> 31) & 0x7FFFFFFF);
+}
+BC_INLINE i32x16 order_key16(f32x16 x) {
+  i32x16 b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b ^ ((b >> 31) & 0x7FFFFFFF);
+}
+BC_INLINE float from_order_key(int32_t k) {
+  const int32_t b = k ^ ((k >> 31) & 0x7FFFFFFF);
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
 }
 
 }  // namespace bert_cluster

@@ -1,6 +1,8 @@
-// hash_queries and hamming_kmeans on CUDA, on the current stream (see bert_cluster/reference.py for the
-// rules reproduced). K-means runs one thread block per (row, head), all L rounds inside one launch, with
-// integer atomics only, so its result does not depend on thread scheduling.
+// hash_queries and hamming_kmeans on CUDA, on the current stream, with no host synchronisation (see
+// bert_cluster/reference.py for the rules reproduced). K-means runs one thread block per (row, head), all L
+// rounds inside one launch: the initial centroids (distinct hashes by first occurrence) in O(N) through a
+// hash table with atomicMin of the first index, then per round an assignment and a majority vote counted in
+// shared memory (warp-aggregated integer atomics: the result does not depend on thread scheduling).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,6 +11,7 @@
 #include <cstdint>
 
 #include "../checks.h"
+#include "common.cuh"
 
 namespace bert_cluster {
 namespace {
@@ -47,40 +50,67 @@ __device__ void assign_queries(const unsigned long long* __restrict__ h, const b
   }
 }
 
-// Scratch per (row, head), in global memory: first-occurrence flags and positions (N each), centroid
-// hashes and presence (C), member counts (C) and per-bit counts of ones (C x 64).
+constexpr unsigned long long kEmptySlot = ~0ULL;  // hashes are < 2^63: never a hash
+
+__device__ __forceinline__ unsigned long long table_slot(unsigned long long h, int shift) {
+  return (h * 0x9E3779B97F4A7C15ULL) >> shift;
+}
+
+// Shared memory per (row, head): centroid hashes, presence, member counts, per-bit counts of ones (C x 64),
+// a flag and the scan of the compaction. `ones` and `members` may live in global scratch instead when C is
+// too large for shared memory (global atomics then; the counts are integers either way).
 __global__ void kmeans_kernel(const int64_t* __restrict__ hashes, const bool* __restrict__ valid, int64_t heads,
-                              int64_t n, int64_t clusters, int64_t iterations, int64_t bits,
-                              int32_t* __restrict__ flag_scratch, int32_t* __restrict__ position_scratch,
-                              unsigned long long* __restrict__ cent_scratch, int32_t* __restrict__ present_scratch,
-                              int32_t* __restrict__ members_scratch, int32_t* __restrict__ ones_scratch,
+                              int64_t n, int64_t clusters, int64_t iterations, int64_t bits, int table_shift,
+                              unsigned long long* __restrict__ table_keys, int32_t* __restrict__ table_first,
+                              int32_t* __restrict__ slot_scratch, int32_t* __restrict__ flag_scratch,
+                              int32_t* __restrict__ position_scratch, int32_t* __restrict__ global_counts,
                               int64_t* __restrict__ assign_out, int64_t* __restrict__ centroids_out) {
+  extern __shared__ unsigned long long kmeans_smem[];
   const int64_t rh = blockIdx.x;
   const int64_t r = rh / heads;
+  const int64_t capacity = int64_t{1} << (64 - table_shift);
   const unsigned long long* h = reinterpret_cast<const unsigned long long*>(hashes) + rh * n;
   const bool* ok = valid + r * n;
+  unsigned long long* keys = table_keys + rh * capacity;
+  int32_t* first = table_first + rh * capacity;
+  int32_t* slot_of = slot_scratch + rh * n;
   int32_t* flag = flag_scratch + rh * n;
   int32_t* position = position_scratch + rh * n;
-  unsigned long long* cent = cent_scratch + rh * clusters;
-  int32_t* present = present_scratch + rh * clusters;
-  int32_t* members = members_scratch + rh * clusters;
-  int32_t* ones = ones_scratch + rh * clusters * 64;
   int64_t* assign = assign_out + rh * n;
+  unsigned long long* cent = kmeans_smem;
+  int32_t* present = reinterpret_cast<int32_t*>(cent + clusters);
+  int32_t* chunk_start = present + clusters;  // blockDim.x entries
+  int32_t* small = chunk_start + blockDim.x;    // members (C) then ones (C x 64), unless global_counts
+  int32_t* members = global_counts != nullptr ? global_counts + rh * clusters * 65 : small;
+  int32_t* ones = members + clusters;
   const unsigned long long mask = (1ULL << bits) - 1ULL;
-  const int tid = threadIdx.x;
-
-  __shared__ int32_t chunk_start[kThreads];
+  const int tid = threadIdx.x, lane = tid % cuda::kWarp;
   __shared__ int32_t distinct_shared;
   __shared__ int32_t changed;
 
-  // 1. Initial centroids: first occurrences of each valid hash (O(N^2 / threads) comparisons) ...
-  for (int64_t i = tid; i < n; i += blockDim.x) {
-    int32_t is_first = ok[i] ? 1 : 0;
-    for (int64_t j = 0; j < i && is_first; ++j) is_first = !(ok[j] && h[j] == h[i]);
-    flag[i] = is_first;
+  // 1. Initial centroids: the distinct hashes of the valid queries in order of first occurrence, in O(N):
+  //    insert every hash into an open-addressing table keeping the lowest index that carries it ...
+  for (int64_t x = tid; x < capacity; x += blockDim.x) {
+    keys[x] = kEmptySlot;
+    first[x] = INT32_MAX;
   }
   __syncthreads();
-  // ... compacted in index order (= order of first occurrence): one contiguous chunk per thread + a scan.
+  for (int64_t i = tid; i < n; i += blockDim.x) {
+    if (!ok[i]) continue;
+    unsigned long long slot = table_slot(h[i], table_shift);
+    for (;;) {
+      const unsigned long long seen = atomicCAS(keys + slot, kEmptySlot, h[i]);
+      if (seen == kEmptySlot || seen == h[i]) break;
+      slot = (slot + 1) & static_cast<unsigned long long>(capacity - 1);
+    }
+    atomicMin(first + slot, static_cast<int32_t>(i));
+    slot_of[i] = static_cast<int32_t>(slot);
+  }
+  __syncthreads();
+  // ... a query is a first occurrence iff it is the lowest index of its slot ...
+  for (int64_t i = tid; i < n; i += blockDim.x) flag[i] = ok[i] && first[slot_of[i]] == static_cast<int32_t>(i);
+  __syncthreads();
+  // ... compacted in index order: one contiguous chunk per thread + a scan.
   const int64_t chunk = (n + blockDim.x - 1) / blockDim.x;
   const int64_t lo = min(n, tid * chunk), hi = min(n, lo + chunk);
   int32_t mine = 0;
@@ -111,21 +141,22 @@ __global__ void kmeans_kernel(const int64_t* __restrict__ hashes, const bool* __
   __syncthreads();
 
   // 2. L rounds of (assign, majority update); stop early at a fixed point (the rest would repeat it).
+  const int64_t padded_n = (n + blockDim.x - 1) / blockDim.x * blockDim.x;  // whole warps in every step
   for (int64_t it = 0; it < iterations; ++it) {
     assign_queries(h, ok, n, cent, present, clusters, mask, assign);
-    for (int64_t x = tid; x < clusters * 64; x += blockDim.x) ones[x] = 0;
-    for (int64_t c = tid; c < clusters; c += blockDim.x) members[c] = 0;
+    for (int64_t x = tid; x < clusters * 65; x += blockDim.x) members[x] = 0;  // members and ones
     if (tid == 0) changed = 0;
     __syncthreads();
-    for (int64_t i = tid; i < n; i += blockDim.x) {
-      const int64_t c = assign[i];
-      if (c < 0) continue;
-      atomicAdd(members + c, 1);
-      unsigned long long bitset = h[i] & mask;
-      while (bitset) {
-        const int b = __ffsll(static_cast<long long>(bitset)) - 1;
-        atomicAdd(ones + c * 64 + b, 1);
-        bitset &= bitset - 1ULL;
+    for (int64_t i = tid; i < padded_n; i += blockDim.x) {
+      const int64_t c = i < n ? assign[i] : -1;
+      const unsigned long long bitset = c >= 0 ? h[i] & mask : 0ULL;
+      // One atomic per (cluster, bit) per warp: lanes of the same cluster count their bits together.
+      const unsigned peers = __match_any_sync(cuda::kFull, static_cast<unsigned long long>(c));
+      const bool leader = lane == __ffs(peers) - 1;
+      if (leader && c >= 0) atomicAdd(members + c, __popc(peers));
+      for (int b = 0; b < bits; ++b) {
+        const unsigned set = __ballot_sync(cuda::kFull, (bitset >> b) & 1ULL) & peers;
+        if (leader && c >= 0 && set != 0) atomicAdd(ones + c * 64 + b, __popc(set));
       }
     }
     __syncthreads();
@@ -179,18 +210,30 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cuda(const at::Tensor& hashes,
   at::Tensor assignments = at::empty({rows, heads, n}, h.options());
   at::Tensor centroids = at::empty({rows, heads, clusters}, h.options());
   if (rows * heads == 0) return {assignments, centroids};
+  // The first-occurrence table: a power of two >= 2N slots per (row, head).
+  int table_shift = 63;
+  while ((int64_t{1} << (64 - table_shift)) < 2 * std::max<int64_t>(n, 1)) --table_shift;
+  const int64_t capacity = int64_t{1} << (64 - table_shift);
   const auto i32 = h.options().dtype(at::kInt);
-  at::Tensor flags = at::empty({rows * heads, std::max<int64_t>(n, 1)}, i32);
-  at::Tensor positions = at::empty({rows * heads, std::max<int64_t>(n, 1)}, i32);
-  at::Tensor cent = at::empty({rows * heads, clusters}, h.options());
-  at::Tensor present = at::empty({rows * heads, clusters}, i32);
-  at::Tensor members = at::empty({rows * heads, clusters}, i32);
-  at::Tensor ones = at::empty({rows * heads, clusters, 64}, i32);
-  kmeans_kernel<<<static_cast<unsigned int>(rows * heads), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      h.data_ptr<int64_t>(), v.data_ptr<bool>(), heads, n, clusters, iterations, bits, flags.data_ptr<int32_t>(),
-      positions.data_ptr<int32_t>(), reinterpret_cast<unsigned long long*>(cent.data_ptr<int64_t>()),
-      present.data_ptr<int32_t>(), members.data_ptr<int32_t>(), ones.data_ptr<int32_t>(),
-      assignments.data_ptr<int64_t>(), centroids.data_ptr<int64_t>());
+  const int64_t rh = rows * heads, nn = std::max<int64_t>(n, 1);
+  at::Tensor table_keys = at::empty({rh, capacity}, h.options());
+  at::Tensor table_first = at::empty({rh, capacity}, i32);
+  at::Tensor slots = at::empty({rh, nn}, i32), flags = at::empty({rh, nn}, i32), positions = at::empty({rh, nn}, i32);
+  // Shared memory: centroids (8 B) and presence (4 B) per cluster, the scan, and the counts (65 x 4 B per
+  // cluster) when they fit in 48 KiB; otherwise the counts go to global scratch.
+  const size_t fixed = static_cast<size_t>(clusters) * 12 + kThreads * 4;
+  const size_t counts = static_cast<size_t>(clusters) * 65 * 4;
+  const bool counts_in_smem = fixed + counts <= 48 * 1024;
+  TORCH_CHECK_VALUE(fixed <= 48 * 1024, "the CUDA hamming_kmeans supports up to ", (48 * 1024 - kThreads * 4) / 12,
+                    " clusters, got ", clusters);
+  at::Tensor global_counts = counts_in_smem ? at::Tensor() : at::empty({rh, clusters * 65}, i32);
+  kmeans_kernel<<<static_cast<unsigned int>(rh), kThreads, fixed + (counts_in_smem ? counts : 0),
+                  at::cuda::getCurrentCUDAStream()>>>(
+      h.data_ptr<int64_t>(), v.data_ptr<bool>(), heads, n, clusters, iterations, bits, table_shift,
+      reinterpret_cast<unsigned long long*>(table_keys.data_ptr<int64_t>()), table_first.data_ptr<int32_t>(),
+      slots.data_ptr<int32_t>(), flags.data_ptr<int32_t>(), positions.data_ptr<int32_t>(),
+      counts_in_smem ? nullptr : global_counts.data_ptr<int32_t>(), assignments.data_ptr<int64_t>(),
+      centroids.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {assignments, centroids};
 }

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
-import tiny
 
 #: The checkpoints the tests score (build.py writes each in a few seconds).
 CHECKPOINTS = ("minilm-l6-rte", "minilm-l6-mrpc", "minilm-l6-stsb", "minilm-l6-squad")
@@ -16,20 +16,20 @@ CHECKPOINTS = ("minilm-l6-rte", "minilm-l6-mrpc", "minilm-l6-stsb", "minilm-l6-s
 @pytest.fixture(scope="session")
 def tiny_cls(tmp_path_factory) -> Path:
     """A random 2-layer BERT classifier with labels (entailment, not_entailment)."""
-    return tiny.save_model(tmp_path_factory.mktemp("tiny") / "cls")
+    return helpers.save_model(tmp_path_factory.mktemp("tiny") / "cls")
 
 
 @pytest.fixture(scope="session")
 def tiny_qa(tmp_path_factory) -> Path:
     """A random 2-layer BERT with a question-answering head."""
-    return tiny.save_model(tmp_path_factory.mktemp("tiny") / "qa", head="qa", labels=None)
+    return helpers.save_model(tmp_path_factory.mktemp("tiny") / "qa", head="qa", labels=None)
 
 
 @pytest.fixture(scope="session")
 def tiny_rte(tmp_path_factory) -> Path:
     """A data folder with RTE/dev.tsv (8 rows) in the GLUE layout."""
     folder = tmp_path_factory.mktemp("data")
-    tiny.write_rte(folder, tiny.RTE_ROWS)
+    helpers.write_rte(folder, helpers.RTE_ROWS)
     return folder
 
 

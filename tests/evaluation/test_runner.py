@@ -3,18 +3,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import helpers
 import pytest
-import tiny
 
-from bert_cluster.evaluation import Results, evaluate
+from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.evaluation import Results, RunInterrupted, TaskSession, evaluate
 from bert_cluster.evaluation.errors import UserError
 from bert_cluster.evaluation.kinds import KINDS, Examples, LoadedModel
 from bert_cluster.evaluation.runner import parse_clusters, parse_seeds
-from bert_cluster.evaluation.tasks import parse_task
+from bert_cluster.evaluation.tasks import get_tasks, parse_task
 
 
 class SpyKind:
-    """Records the clustered-attention settings the model carries at each score call."""
+    """Records the clustered-attention settings the model carries at each score call (runs its own loop)."""
 
     name = "spy"
 
@@ -24,7 +25,7 @@ class SpyKind:
     def load_model(self, model, task, device):
         import transformers
 
-        return LoadedModel(model=transformers.BertModel(tiny.tiny_bert_config()).eval(), tokenizer=None)
+        return LoadedModel(model=transformers.BertModel(helpers.tiny_bert_config()).eval(), tokenizer=None)
 
     def load_examples(self, task, data_dir, limit):
         return Examples(items=[1, 2, 3], source="memory", count=3)
@@ -35,6 +36,8 @@ class SpyKind:
         advance(3, 3)
         if task.options.get("explode"):
             raise RuntimeError("boom")
+        if task.options.get("interrupt") and settings_now is not None:
+            raise KeyboardInterrupt
         clusters = settings_now["clusters"] if settings_now else 0
         return {"m": float(clusters + (settings_now["seed"] if settings_now else 0))}
 
@@ -50,10 +53,10 @@ def spy(monkeypatch, tmp_path):
                 "kind": "spy",
                 "version": 3,
                 "metrics": [{"name": "m", "display": "M"}],
-                "options": {"explode": name == "bad"},
+                "options": {"explode": name == "bad", "interrupt": name == "stop"},
             }
         )
-        for name in ("good", "bad", "other")
+        for name in ("good", "bad", "other", "stop")
     }
     monkeypatch.setattr(
         "bert_cluster.evaluation.get_tasks", lambda names: [tasks[n] for n in names.split(",")]
@@ -71,30 +74,47 @@ def test_runner_converts_and_reverts_around_every_configuration(spy, tmp_path):
     task = results["good"]
     assert task.ok and [run.label for run in task.runs] == [
         "unmodified",
-        "C=10 seed=0",
-        "C=10 seed=1",
-        "C=25 seed=0",
-        "C=25 seed=1",
+        "i-clustered C=10 seed=0",
+        "i-clustered C=10 seed=1",
+        "i-clustered C=25 seed=0",
+        "i-clustered C=25 seed=1",
     ]
-    assert task.summary("m", 25) == {
+    assert task.summary("m", ("i-clustered", 25)) == {
         "mean": 25.5,
         "std": pytest.approx(0.7071, abs=1e-4),
         "delta": 25.5,
         "seeds": 2,
     }
-    assert all(run.wall_time_s >= 0 and run.examples_per_s > 0 for run in task.runs)
     assert task.runs[1].attention["clusters"] == 10 and task.runs[1].attention["mode"] == "i-clustered"
+    # The evaluator approximates every row by default, whatever convert's default is.
+    assert task.runs[1].attention["min_length"] == 0
     document = json.loads((tmp_path / "out" / "results.json").read_text())
     assert document["settings"]["clusters"] == [10, 25] and document["settings"]["seeds"] == [0, 1]
     assert document["tasks"][0]["version"] == 3
     assert {"torch", "transformers", "bert-cluster"} <= set(document["environment"]["packages"])
     assert document["environment"]["hardware"]["cpu_count"] >= 1 and document["environment"]["date"]
-    assert (
-        "| good | M | 0.00 | 10.50 ± 0.71 (+10.50) | 25.50 ± 0.71 (+25.50) |"
-        in (tmp_path / "out" / "results.md").read_text()
-    )
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "| good | M | 0.00 | 10.50 ± 0.71 (+10.50) | 25.50 ± 0.71 (+25.50) |" in markdown
+    assert "min_length = 0: every row longer than C tokens is approximated" in markdown
     assert (tmp_path / "out" / "scores.png").stat().st_size > 1000
+    assert document.pop("files") == ["results.json", "results.md", "scores.png"]
     assert Results.from_dict(document).to_dict() == document
+
+
+def test_modes_are_swept_like_cluster_counts(spy, tmp_path):
+    kind, model = spy
+    results = evaluate(model, "good", 10, mode=["clustered", "i-clustered"])
+    task = results["good"]
+    assert [run.label for run in task.runs] == [
+        "unmodified",
+        "clustered C=10 seed=0",
+        "i-clustered C=10 seed=0",
+    ]
+    assert task.keys == [("clustered", 10), ("i-clustered", 10)]
+    from bert_cluster.evaluation.report import table_rows
+
+    header, _ = table_rows(results)
+    assert header[3:] == ["clustered C=10", "i-clustered C=10"]
 
 
 def test_a_failing_task_is_recorded_and_the_others_still_run(spy, tmp_path):
@@ -110,6 +130,17 @@ def test_a_failing_task_is_recorded_and_the_others_still_run(spy, tmp_path):
     )
 
 
+def test_ctrl_c_keeps_the_partial_results_and_marks_the_task(spy, tmp_path):
+    kind, model = spy
+    with pytest.raises(RunInterrupted) as caught:
+        evaluate(model, "good,stop,other", 25, output=tmp_path / "out")
+    assert caught.value.written == tmp_path / "out" / "results.json"
+    document = json.loads(caught.value.written.read_text())
+    assert document["complete"] is False
+    assert [(t["task"], t["status"]) for t in document["tasks"]] == [("good", "ok"), ("stop", "interrupted")]
+    assert len(document["tasks"][1]["runs"]) == 1  # the unmodified run finished before Ctrl-C
+
+
 @pytest.mark.parametrize("value", ["10,,25", "ten", "0", "-5", "10;25", "", [3, True]])
 def test_malformed_cluster_lists_are_refused(value):
     with pytest.raises(UserError, match="cluster list"):
@@ -118,14 +149,14 @@ def test_malformed_cluster_lists_are_refused(value):
 
 def test_cluster_and_seed_parsing():
     assert parse_clusters("10, 25,10") == (10, 25)
-    assert parse_clusters(50) == (50,)
-    assert parse_seeds(3) == (0, 1, 2)
-    with pytest.raises(UserError):
+    assert parse_clusters(50) == (50,) and parse_clusters([10, "25"]) == (10, 25)
+    assert parse_seeds(3) == (0, 1, 2) and parse_seeds([4, 2]) == (4, 2)
+    with pytest.raises(UserError, match="seeds must be"):
         parse_seeds(0)
 
 
-def test_api_errors_before_running(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+def test_api_errors_before_running(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "max_position_embeddings": 128}')
     with pytest.raises(UserError, match="unknown task"):
         evaluate(tmp_path, "rte,nope")
     with pytest.raises(UserError, match="does not exist"):
@@ -134,15 +165,74 @@ def test_api_errors_before_running(tmp_path):
         evaluate(tmp_path, None)
     with pytest.raises(UserError, match="device"):
         evaluate(tmp_path, "rte", device="tpu")
+    with pytest.raises(UserError, match=r"--max-length 512 is more than model .* takes \(128 positions\)"):
+        evaluate(tmp_path, "rte", max_length=512)
+    with pytest.raises(UserError, match="bits must be"):
+        evaluate(tmp_path, "rte", attention={"bits": 64})
+    with pytest.raises(UserError, match="mode must be"):
+        evaluate(tmp_path, "rte", mode=["i-clustered", "fast"])
+    with pytest.raises(UserError, match="limit must be"):
+        evaluate(tmp_path, "rte", limit=0)
+    monkeypatch.setenv("BERT_CLUSTER_BACKEND", "gpu")
+    with pytest.raises(UserError, match="BERT_CLUSTER_BACKEND='gpu'"):
+        evaluate(tmp_path, "rte")
 
 
-def test_evaluate_end_to_end_on_a_tiny_model(tiny_cls, tiny_rte):
+def test_bad_output_is_found_before_any_work(spy, tmp_path):
+    kind, model = spy
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    for output, message in ((afile, "is a file"), (afile / "below", "is a file")):
+        with pytest.raises(UserError, match=message):
+            evaluate(model, "good", 25, output=output)
+    assert kind.seen == []  # nothing was scored
+
+
+def test_earlier_results_are_never_destroyed(spy, tmp_path):
+    kind, model = spy
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty.*--overwrite"):
+        evaluate(model, "good", 25, output=out)
+    assert kind.seen == []
+    evaluate(model, "good", 25, output=out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "scores.png").is_file()
+    # A later run that draws no plot (no cluster count scored) removes the plot it wrote before, only that.
+    first = json.loads((out / "results.json").read_text())["files"]
+    assert "scores.png" in first
+    from bert_cluster.evaluation import report
+
+    results = Results.from_dict({k: v for k, v in json.loads((out / "results.json").read_text()).items()})
+    for task in results.tasks:
+        task.runs = task.runs[:1]
+    report.write(results, out)
+    assert not (out / "scores.png").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "results.json", "results.md"]
+
+
+def test_evaluate_end_to_end_on_a_tiny_model_with_speed(tiny_cls, tiny_rte):
     results = evaluate(tiny_cls, ["rte"], [2], data_dir=tiny_rte, limit=6, batch_size=4)
     task = results["rte"]
     assert task.ok, task.error
     assert task.examples == 6 and task.source.endswith("RTE/dev.tsv")
     assert [run.clusters for run in task.runs] == [None, 2]
     assert 0.0 <= task.runs[1].scores["accuracy"] <= 100.0
+    base, patched = task.runs
+    for run in task.runs:
+        assert run.wall_time_s > 0 and run.examples_per_s > 0 and run.tokens_per_s > 0, run
+    assert base.speedup == 1.0 and patched.speedup == pytest.approx(base.wall_time_s / patched.wall_time_s)
+    assert base.backend == "sdpa" and patched.backend in ("cpu", "reference")
+
+
+def test_task_session_scores_one_configuration_at_a_time(tiny_cls, tiny_rte):
+    """What a tuner builds on: load once, score the unmodified model, then any candidate."""
+    session = TaskSession(get_tasks("rte")[0], str(tiny_cls), data_dirs=[tiny_rte], limit=6, batch_size=4)
+    base = session.score(None)
+    exact = session.score(ClusteredAttentionConfig(clusters=2, topk=512, min_length=0))
+    assert base.speedup == 1.0 and exact.speedup > 0 and exact.scores == base.scores  # topk >= N: exact
+    assert exact.attention["topk"] == 512
+    assert getattr(session.loaded.model.config, "clustered_attention", None) is None  # reverted
 
 
 def test_model_path_placeholder_and_missing_data(tiny_cls, tmp_path):
@@ -152,6 +242,28 @@ def test_model_path_placeholder_and_missing_data(tiny_cls, tmp_path):
     assert results["rte"].model == str(tmp_path / "tiny-rte")
     assert results["rte"].status == "failed"
     assert results["rte"].error.startswith("no data file for task rte (looked at: ")
+
+
+def test_a_broken_task_file_blocks_no_other_task(tmp_path, monkeypatch, tiny_cls, tiny_rte):
+    import shutil
+
+    from bert_cluster.evaluation.tasks import config_root
+
+    configs = tmp_path / "configs"
+    shutil.copytree(config_root() / "tasks", configs / "tasks")
+    (configs / "tasks" / "broken.yaml").write_text("name: broken\nkind: classification\nversion: [\n")
+    (configs / "tasks" / "badmetric.yaml").write_text(
+        "include: glue/rte.yaml\nname: badmetric\nmetrics: [accuracy, acuracy]\n"
+    )
+    monkeypatch.setenv("BERT_CLUSTER_CONFIGS", str(configs))
+    results = evaluate(tiny_cls, "rte,badmetric", 2, data_dir=tiny_rte, limit=4)
+    assert results["rte"].ok and results["badmetric"].status == "failed"
+    assert "unknown metric(s) ['acuracy']" in results["badmetric"].error
+    with pytest.raises(UserError, match=r"unknown task\(s\) broken.*did not load: .*broken.yaml"):
+        evaluate(tiny_cls, "broken", 2)
+    monkeypatch.setenv("BERT_CLUSTER_CONFIGS", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="configs folder .*nowhere/tasks does not exist"):
+        evaluate(tiny_cls, "rte", 2)
 
 
 @pytest.mark.data
@@ -171,20 +283,20 @@ def test_real_rte_checkpoint_through_the_runner(shared_dir, built_models):
 
 
 def test_the_embedded_default_resolves_its_model_and_tasks(minilm_dir, tmp_path):
-    from bert_cluster.evaluation import default_run, get_tasks
+    from bert_cluster.evaluation import default_run
 
     default = default_run()
     assert (Path(default["model"]) / "config.json").is_file()
     assert get_tasks(default["tasks"])  # every task it names exists
+    assert default["attention"]["topk"] == 32 and "clusters" not in default["attention"]
     bad = tmp_path / "default.yaml"
     bad.write_text("model: default\ntasks: [rte]\ncolour: red\n")
     with pytest.raises(UserError, match="unknown key"):
         default_run(bad)
 
 
-def test_partial_results_are_written_after_every_configuration(spy, tmp_path, monkeypatch, capsys):
+def test_partial_results_are_written_after_every_configuration(spy, tmp_path, monkeypatch):
     from bert_cluster.evaluation import report
-    from bert_cluster.evaluation.runner import LineReporter
 
     kind, model = spy
     written = []
@@ -195,7 +307,7 @@ def test_partial_results_are_written_after_every_configuration(spy, tmp_path, mo
         return real_write(results, folder)
 
     monkeypatch.setattr(report, "write", recording_write)
-    evaluate(model, "good,other", "10,25", output=tmp_path / "out", reporter=LineReporter())
+    evaluate(model, "good,other", "10,25", output=tmp_path / "out")
     assert written == [
         (False, [1]),
         (False, [2]),
@@ -205,7 +317,3 @@ def test_partial_results_are_written_after_every_configuration(spy, tmp_path, mo
         (False, [3, 3]),
         (True, [3, 3]),
     ]
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "[good] 3 configuration(s)"
-    assert lines[2].startswith("[good] C=10 seed=0: m 10.00 (")
-    assert lines[4] == "[good] ok (data: memory)"

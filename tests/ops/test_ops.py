@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bert_cluster import _loader, dispatch
+from bert_cluster import dispatch
 from bert_cluster import reference as ref
 from bert_cluster.attention import clustered_attention, hash_planes
 from bert_cluster.config import ClusteredAttentionConfig
@@ -245,9 +245,6 @@ def test_ops_match_reference(case: Case, backend: str, device: str) -> None:
         "broadcast",
     )
 
-    exact = ref.exact_attention(q, k, v, valid, scaling)
-    _close(kernels.exact_attention(qd, kd, vd, validd, scaling), exact, atol, "exact_attention")
-
 
 @pytest.mark.parametrize("backend,device", _kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -294,7 +291,7 @@ def _small_args(device: str):
         "centroid_attention": (centroids, k, v, valid, 4, 0.5),
         "topk_refine": (q, k, v, assignments, *attended, 0.5),
         "broadcast_clusters": (attended[0], assignments),
-        "exact_attention": (q, k, v, valid, 0.5),
+        "banded_attention": (q, k, v, valid, 2, 0.5),
     }
 
 
@@ -308,7 +305,7 @@ def _small_args(device: str):
         "centroid_attention",
         "topk_refine",
         "broadcast_clusters",
-        "exact_attention",
+        "banded_attention",
     ],
 )
 def test_opcheck(op: str, device: str) -> None:
@@ -348,7 +345,12 @@ def test_fake_kernels_trace_without_graph_breaks() -> None:
         (lambda ops, t: ops.hamming_kmeans(t["hashes"], t["valid"].int(), 3, 2, 8), TypeError),
         (lambda ops, t: ops.group_queries(t["q"], t["hashes"] + 5, 3), ValueError),
         (lambda ops, t: ops.centroid_attention(t["q"], t["q"], t["q"], t["valid"], -1, 0.5), ValueError),
-        (lambda ops, t: ops.exact_attention(t["q"], t["q"][..., :4], t["q"], t["valid"], 0.5), ValueError),
+        (
+            lambda ops, t: ops.banded_attention(t["q"], t["q"][..., :4], t["q"], t["valid"], 2, 0.5),
+            ValueError,
+        ),
+        (lambda ops, t: ops.banded_attention(t["q"], t["q"], t["q"], t["valid"], -1, 0.5), ValueError),
+        (lambda ops, t: ops.banded_attention(t["q"], t["q"], t["q"].double(), t["valid"], 2, 0.5), TypeError),
     ],
 )
 def test_bad_input_raises(call, error) -> None:
@@ -376,8 +378,10 @@ def test_same_seed_same_output_on_every_backend() -> None:
 
 
 def test_loader_reports_kernels() -> None:
-    state = _loader.load()
-    info = _loader.build_info()
+    from bert_cluster import _build, ops
+
+    state = ops.load_kernels()
+    info = _build.build_info()
     assert info["kernels_loaded"] == state["loaded"]
     names = [entry["backend"] for entry in info["backends"]]
     assert names == ["cuda", "cpu", "reference"]

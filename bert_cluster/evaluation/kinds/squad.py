@@ -12,6 +12,7 @@ postprocessor (``options.postprocessor``) from ``POSTPROCESSORS``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,19 @@ import numpy as np
 import torch
 
 from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.errors import UserError
-from bert_cluster.evaluation.kinds import Examples, LoadedModel, Progress, ScoreSettings, register_kind
-from bert_cluster.evaluation.metrics import squad_scores
-from bert_cluster.evaluation.modeling import length_sorted_batches, load_with_head, pad_batch
+from bert_cluster.evaluation.errors import UserError, positive_int
+from bert_cluster.evaluation.kinds import (
+    Examples,
+    LoadedModel,
+    Progress,
+    ScoreSettings,
+    check_metrics,
+    check_options,
+    first_n,
+    register_kind,
+)
+from bert_cluster.evaluation.metrics import SQUAD_METRICS, squad_scores
+from bert_cluster.evaluation.modeling import load_with_head, max_positions, pad_batch
 from bert_cluster.evaluation.tasks import TaskConfig
 
 _OPTION_DEFAULTS = {"postprocessor": "squad_v1", "doc_stride": 128, "n_best": 20, "max_answer_length": 30}
@@ -129,72 +139,25 @@ def decode_answers(
     return answers
 
 
-def squad_v1(
-    contexts: Sequence[str],
-    windows: Sequence[Window],
-    start_logits: Sequence[np.ndarray],
-    end_logits: Sequence[np.ndarray],
-    *,
-    n_best: int = 20,
-    max_answer_length: int = 30,
-) -> list[str]:
-    """SQuAD v1.1 decoding: always the best span."""
-    return decode_answers(
-        contexts,
-        windows,
-        start_logits,
-        end_logits,
-        n_best=n_best,
-        max_answer_length=max_answer_length,
-        version_2=False,
-    )
-
-
-def squad_v2(
-    contexts: Sequence[str],
-    windows: Sequence[Window],
-    start_logits: Sequence[np.ndarray],
-    end_logits: Sequence[np.ndarray],
-    *,
-    n_best: int = 20,
-    max_answer_length: int = 30,
-) -> list[str]:
-    """SQuAD v2.0 decoding: the best span, or no answer when the null score beats it."""
-    return decode_answers(
-        contexts,
-        windows,
-        start_logits,
-        end_logits,
-        n_best=n_best,
-        max_answer_length=max_answer_length,
-        version_2=True,
-    )
-
-
-#: Postprocessors a task YAML can name in ``options.postprocessor``, with whether they score v2.
+#: Postprocessors a task YAML can name in ``options.postprocessor``, with whether they score v2:
+#: SQuAD v1.1 always takes the best span; v2.0 answers nothing when the null score beats it.
 POSTPROCESSORS: dict[str, tuple[Callable[..., list[str]], bool]] = {
-    "squad_v1": (squad_v1, False),
-    "squad_v2": (squad_v2, True),
+    "squad_v1": (functools.partial(decode_answers, version_2=False), False),
+    "squad_v2": (functools.partial(decode_answers, version_2=True), True),
 }
 
 
 def squad_options(task: TaskConfig) -> dict[str, Any]:
     """The task's SQuAD options with defaults, validated."""
+    check_options(task, tuple(_OPTION_DEFAULTS))
     options = {**_OPTION_DEFAULTS, **dict(task.options)}
-    unknown = sorted(set(options) - set(_OPTION_DEFAULTS))
-    if unknown:
-        raise UserError(
-            f"task {task.name}: unknown squad option(s) {unknown}; allowed: {sorted(_OPTION_DEFAULTS)}"
-        )
     if options["postprocessor"] not in POSTPROCESSORS:
         raise UserError(
             f"task {task.name}: postprocessor must be one of {sorted(POSTPROCESSORS)}, "
             f"got {options['postprocessor']!r}"
         )
     for key in ("doc_stride", "n_best", "max_answer_length"):
-        value = options[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"task {task.name}: option {key} must be a positive int, got {value!r}")
+        positive_int(f"task {task.name}: option {key}", options[key])
     return options
 
 
@@ -203,31 +166,32 @@ class SquadKind:
 
     name = "squad"
 
+    def check(self, task: TaskConfig) -> None:
+        """Valid options and SQuAD metric names (v2 adds the HasAns / NoAns subsets)."""
+        squad_options(task)
+        check_metrics(task, SQUAD_METRICS.__contains__, ", ".join(SQUAD_METRICS))
+
     def load_model(self, model: str | Path, task: TaskConfig, device: str) -> LoadedModel:
         """Load an ``AutoModelForQuestionAnswering``; refuse one without a trained QA head."""
         from transformers import AutoModelForQuestionAnswering
 
-        squad_options(task)
         loaded, tokenizer = load_with_head(
             model, AutoModelForQuestionAnswering, ("qa_outputs",), "question-answering", task.name, device
         )
-        return LoadedModel(model=loaded, tokenizer=tokenizer)
+        return LoadedModel(model=loaded, tokenizer=tokenizer, max_positions=max_positions(loaded.config))
 
-    def load_examples(
-        self, task: TaskConfig, data_dir: Path | Sequence[Path] | None, limit: int | None
-    ) -> Examples:
-        """Read the questions (``limit`` counts questions, not windows)."""
-        rows = load_rows(task, data_dir, limit)
+    def load_examples(self, task: TaskConfig, data_dir: Sequence[Path] | None, limit: int | None) -> Examples:
+        """The first ``limit`` questions (not windows)."""
+        rows = load_rows(task, data_dir)
         items = []
-        for row in rows.rows:
+        for row in first_n(rows.rows, limit):
             try:
-                answers = row["answers"]
                 items.append(
                     {
                         "id": str(row["id"]),
                         "question": str(row["question"]),
                         "context": str(row["context"]),
-                        "answers": list(answers["text"]),
+                        "answers": list(row["answers"]["text"]),
                     }
                 )
             except (KeyError, TypeError):
@@ -259,29 +223,26 @@ class SquadKind:
                 options["doc_stride"],
             )
         windows: list[Window] = loaded.extra[key]
-        starts: list[np.ndarray | None] = [None] * len(windows)
-        ends: list[np.ndarray | None] = [None] * len(windows)
-        done = 0
-        with torch.inference_mode():
-            for batch in length_sorted_batches([len(w.input_ids) for w in windows], settings.batch_size):
-                inputs = pad_batch(
-                    loaded.tokenizer, [windows[index].features() for index in batch], settings.device
+
+        def logits(batch: list[Window]) -> list[tuple[np.ndarray, np.ndarray]]:
+            with torch.inference_mode():
+                output = loaded.model(
+                    **pad_batch(loaded.tokenizer, [w.features() for w in batch], settings.device)
                 )
-                output = loaded.model(**inputs)
-                start_logits = output.start_logits.float().cpu().numpy()
-                end_logits = output.end_logits.float().cpu().numpy()
-                for row, index in enumerate(batch):
-                    length = len(windows[index].input_ids)
-                    starts[index] = start_logits[row, :length]
-                    ends[index] = end_logits[row, :length]
-                done += len(batch)
-                advance(done, len(windows))
+            starts = output.start_logits.float().cpu().numpy()
+            ends = output.end_logits.float().cpu().numpy()
+            return [
+                (starts[row, : len(w.input_ids)], ends[row, : len(w.input_ids)])
+                for row, w in enumerate(batch)
+            ]
+
+        outputs = settings.map(logits, windows, [len(w.input_ids) for w in windows], advance)
         postprocess, version_2 = POSTPROCESSORS[options["postprocessor"]]
         answers = postprocess(
             [item["context"] for item in items],
             windows,
-            starts,
-            ends,
+            [start for start, _ in outputs],
+            [end for _, end in outputs],
             n_best=options["n_best"],
             max_answer_length=options["max_answer_length"],
         )

@@ -16,9 +16,18 @@ import torch
 
 from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.errors import UserError
-from bert_cluster.evaluation.kinds import Examples, LoadedModel, Progress, ScoreSettings, register_kind
-from bert_cluster.evaluation.metrics import glue_metric
-from bert_cluster.evaluation.modeling import length_sorted_batches, load_with_head, pad_batch
+from bert_cluster.evaluation.kinds import (
+    Examples,
+    LoadedModel,
+    Progress,
+    ScoreSettings,
+    check_metrics,
+    check_options,
+    first_n,
+    register_kind,
+)
+from bert_cluster.evaluation.metrics import GLUE_METRICS, glue_metric
+from bert_cluster.evaluation.modeling import load_with_head, max_positions, pad_batch
 from bert_cluster.evaluation.tasks import TaskConfig
 
 _GENERIC = re.compile(r"label_?\d+")
@@ -90,6 +99,15 @@ class ClassificationKind:
 
     name = "classification"
 
+    def check(self, task: TaskConfig) -> None:
+        """One or two text fields, a label field, GLUE metric names, no options."""
+        if not task.text_fields or not 1 <= len(task.text_fields) <= 2:
+            raise UserError(f"task {task.name}: classification needs one or two text_fields")
+        if task.label_field is None:
+            raise UserError(f"task {task.name}: classification needs a label_field")
+        check_options(task, ())
+        check_metrics(task, GLUE_METRICS.__contains__, ", ".join(GLUE_METRICS))
+
     def load_model(self, model: str | Path, task: TaskConfig, device: str) -> LoadedModel:
         """Load an ``AutoModelForSequenceClassification`` and work out its label mapping."""
         from transformers import AutoModelForSequenceClassification
@@ -103,21 +121,23 @@ class ClassificationKind:
             device,
         )
         mapping = label_mapping(loaded.config.id2label or {}, loaded.config.num_labels, task)
-        return LoadedModel(model=loaded, tokenizer=tokenizer, extra={"label_mapping": mapping})
+        return LoadedModel(
+            model=loaded,
+            tokenizer=tokenizer,
+            max_positions=max_positions(loaded.config),
+            extra={"label_mapping": mapping},
+        )
 
-    def load_examples(
-        self, task: TaskConfig, data_dir: Path | Sequence[Path] | None, limit: int | None
-    ) -> Examples:
-        """Read the dev rows and turn labels into dataset indices (or scores)."""
-        if not task.text_fields or not 1 <= len(task.text_fields) <= 2:
-            raise UserError(f"task {task.name}: classification needs one or two text_fields")
-        if task.label_field is None:
-            raise UserError(f"task {task.name}: classification needs a label_field")
-        rows = load_rows(task, data_dir, limit)
-        items = []
-        for row in rows.rows:
-            texts = tuple(str(row[field]) for field in task.text_fields)
-            items.append({"texts": texts, "label": label_index(row[task.label_field], task)})
+    def load_examples(self, task: TaskConfig, data_dir: Sequence[Path] | None, limit: int | None) -> Examples:
+        """The first ``limit`` dev rows, labels as dataset indices (or scores)."""
+        rows = load_rows(task, data_dir)
+        items = [
+            {
+                "texts": tuple(str(row[field]) for field in task.text_fields),
+                "label": label_index(row[task.label_field], task),
+            }
+            for row in first_n(rows.rows, limit)
+        ]
         return Examples(items=items, source=rows.source, count=len(items))
 
     def score(
@@ -138,26 +158,21 @@ class ClassificationKind:
                 {name: encoded[name][index] for name in encoded} for index in range(len(examples.items))
             ]
         features = loaded.extra[key]
-        batches = length_sorted_batches([len(f["input_ids"]) for f in features], settings.batch_size)
         regression = task.label_names is None
-        predictions: list[Any] = [None] * len(features)
-        model = loaded.model
         mapping = loaded.extra.get("label_mapping")
-        done = 0
-        with torch.inference_mode():
-            for batch in batches:
-                inputs = pad_batch(loaded.tokenizer, [features[index] for index in batch], settings.device)
-                logits = model(**inputs).logits.float().cpu()
-                if regression:
-                    values = logits[:, 0].tolist()
-                else:
-                    values = logits.argmax(dim=-1).tolist()
-                    if mapping is not None:
-                        values = [mapping[value] for value in values]
-                for index, value in zip(batch, values, strict=True):
-                    predictions[index] = value
-                done += len(batch)
-                advance(done, len(features))
+
+        def predict(batch: list[dict[str, list[int]]]) -> list[Any]:
+            with torch.inference_mode():
+                logits = (
+                    loaded.model(**pad_batch(loaded.tokenizer, batch, settings.device)).logits.float().cpu()
+                )
+            if regression:
+                return logits[:, 0].tolist()
+            values = logits.argmax(dim=-1).tolist()
+            return values if mapping is None else [mapping[value] for value in values]
+
+        lengths = [len(feature["input_ids"]) for feature in features]
+        predictions = settings.map(predict, features, lengths, advance)
         references = [item["label"] for item in examples.items]
         return {metric: glue_metric(metric, predictions, references) for metric in task.metric_names}
 

@@ -1,4 +1,9 @@
-"""Tiny random checkpoints and data files for the evaluation plumbing (no download, a second to build)."""
+"""The tests' one factory of tiny random models and small data files (no download, a second to build).
+
+``tiny_config`` / ``tiny_model`` (one tiny random config per supported family) live in ``families.py``,
+which the transformers-glue tests extend, and are re-exported here; everything else is defined here.
+Importable from every test: pytest puts ``tests/`` on the path (``pythonpath`` in pyproject.toml).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from families import tiny_config, tiny_model
+
+__all__ = [
+    "RTE_ROWS",
+    "save_model",
+    "save_sentence_transformer",
+    "save_tokenizer",
+    "swap_labels",
+    "tiny_bert_config",
+    "tiny_config",
+    "tiny_model",
+    "write_rte",
+]
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PIECES = list(string.ascii_lowercase + string.digits + string.punctuation)
@@ -64,6 +82,31 @@ def save_model(
     model = model_class(config).eval()
     model.save_pretrained(folder)
     save_tokenizer(folder)
+    return folder
+
+
+def save_sentence_transformer(
+    folder: Path,
+    pooling: str | Sequence[str] = "mean",
+    dense: int | None = None,
+    normalize: bool = True,
+    max_seq_length: int = 64,
+    seed: int = 0,
+) -> Path:
+    """A SentenceTransformer around a random 2-layer BERT: Transformer, Pooling, [Dense], [Normalize]."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    base = save_model(folder.parent / f"{folder.name}-bert", head="base", labels=None, seed=seed)
+    torch.manual_seed(seed)
+    transformer = Transformer(str(base), max_seq_length=max_seq_length)
+    modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=modes)]
+    if dense is not None:
+        modules.append(Dense(modules[-1].get_embedding_dimension(), dense))
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return folder
 
 

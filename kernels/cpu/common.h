@@ -1,0 +1,70 @@
+// What the CPU kernels share besides vec.h: reading (R, H, N, D) tensors in place (any strides except
+// the last dim, so HF's (B, L, H, D)-transposed layout costs no copy) and the input dtype as a small code
+// that one multiversioned function switches on (target_clones cannot be put on templates).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../checks.h"
+
+namespace bert_cluster {
+
+enum class InputType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+inline InputType input_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return InputType::kFloat32;
+    case at::kBFloat16:
+      return InputType::kBFloat16;
+    case at::kHalf:
+      return InputType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "expected float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+// `t` itself when its last dim is contiguous, else a contiguous copy.
+inline at::Tensor last_dim_contiguous(const at::Tensor& t) {
+  return (t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+}
+
+// One (R, H, N, D) tensor read in place: element (r, h, i, d) at data + r*s0 + h*s1 + i*s2 + d.
+struct Rows {
+  const void* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, itemsize = 0;
+
+  static Rows of(const at::Tensor& t) {
+    Rows v;
+    v.data = t.data_ptr();
+    v.s0 = t.stride(0);
+    v.s1 = t.stride(1);
+    v.s2 = t.stride(2);
+    v.itemsize = static_cast<int64_t>(t.element_size());
+    return v;
+  }
+  const void* ptr(int64_t r, int64_t h, int64_t i) const {
+    return static_cast<const char*>(data) + (r * s0 + h * s1 + i * s2) * itemsize;
+  }
+  template <typename T>
+  const T* at(int64_t r, int64_t h, int64_t i = 0) const {
+    return static_cast<const T*>(data) + r * s0 + h * s1 + i * s2;
+  }
+};
+
+// The valid span [first, last + 1) of each row of a (R, N) bool mask ([0, 0) when a row has none): keys
+// outside it are padding, so right- and left-padded rows cost their valid length only.
+inline void valid_spans(const bool* valid, int64_t rows, int64_t n, int64_t* lo, int64_t* hi) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool* v = valid + r * n;
+    int64_t a = 0, b = n;
+    while (a < n && !v[a]) ++a;
+    while (b > a && !v[b - 1]) --b;
+    lo[r] = a;
+    hi[r] = b;
+  }
+}
+
+}  // namespace bert_cluster

@@ -1,0 +1,467 @@
+// The kernels of lanes.h (see there); one BC_MULTIVERSION entry point per kernel, templates inside.
+#include "lanes.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace bert_cluster {
+namespace {
+
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef int64_t i64x8 __attribute__((vector_size(64)));
+
+// Scores of KB keys (rows of `k`, `kstride` floats apart) against LV * 16 lanes (qt: dk x kLaneCount,
+// lane-major): s[i][lane] = scaling * sum_d k[i][d] * qt[d][lane].
+template <int LV, int KB>
+BC_INLINE void score_keys(const float* __restrict qt, const float* __restrict k, int64_t kstride, int64_t dk,
+                          float scaling, float* __restrict s) {
+  f32x16 acc[KB][LV];
+  for (int i = 0; i < KB; ++i)
+    for (int v = 0; v < LV; ++v) acc[i][v] = f32x16{};
+  for (int64_t d = 0; d < dk; ++d) {
+    f32x16 q[LV];
+    for (int v = 0; v < LV; ++v) q[v] = load16(qt + d * kLaneCount + 16 * v);
+    for (int i = 0; i < KB; ++i) {
+      const float x = k[i * kstride + d];
+      for (int v = 0; v < LV; ++v) acc[i][v] += x * q[v];
+    }
+  }
+  for (int i = 0; i < KB; ++i)
+    for (int v = 0; v < LV; ++v) store16(s + i * kLaneCount + 16 * v, acc[i][v] * scaling);
+}
+
+template <int LV>
+BC_INLINE void score_rows(const float* __restrict qt, const float* __restrict k, int64_t kstride, int64_t rows,
+                          int64_t dk, float scaling, float* __restrict s) {
+  constexpr int KB = LV == 1 ? 8 : 6;
+  int64_t t = 0;
+  for (; t + KB <= rows; t += KB) score_keys<LV, KB>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
+  for (; t < rows; ++t) score_keys<LV, 1>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
+}
+
+// acc[c][0..16 NV) += sum_t p[t][c] * v[t][0..16 NV) for CB lanes c (p rows kLaneCount apart, v rows
+// vstride floats apart, acc rows astride floats apart).
+template <int CB, int NV>
+BC_INLINE void accumulate_lanes(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
+                                float* __restrict acc, int64_t astride) {
+  f32x16 a[CB][NV];
+  for (int c = 0; c < CB; ++c)
+    for (int n = 0; n < NV; ++n) a[c][n] = load16(acc + c * astride + 16 * n);
+  for (int64_t t = 0; t < rows; ++t) {
+    f32x16 x[NV];
+    for (int n = 0; n < NV; ++n) x[n] = load16(v + t * vstride + 16 * n);
+    for (int c = 0; c < CB; ++c) {
+      const float w = p[t * kLaneCount + c];
+      for (int n = 0; n < NV; ++n) a[c][n] += w * x[n];
+    }
+  }
+  for (int c = 0; c < CB; ++c)
+    for (int n = 0; n < NV; ++n) store16(acc + c * astride + 16 * n, a[c][n]);
+}
+
+template <int CB>
+BC_INLINE void accumulate_chunks(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
+                                 float* __restrict acc, int64_t astride, int64_t dvp) {
+  int64_t d = 0;
+  for (; d + 64 <= dvp; d += 64) accumulate_lanes<CB, 4>(p, v + d, vstride, rows, acc + d, astride);
+  switch ((dvp - d) / 16) {
+    case 3: accumulate_lanes<CB, 3>(p, v + d, vstride, rows, acc + d, astride); break;
+    case 2: accumulate_lanes<CB, 2>(p, v + d, vstride, rows, acc + d, astride); break;
+    case 1: accumulate_lanes<CB, 1>(p, v + d, vstride, rows, acc + d, astride); break;
+    default: break;
+  }
+}
+
+// Every lane in [0, lanes): acc rows grow by p^T v, five lanes per pass over the tile's values.
+BC_INLINE void accumulate_all(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
+                               int64_t lanes, float* __restrict acc, int64_t dvp) {
+  int64_t c = 0;
+  for (; c + 5 <= lanes; c += 5) accumulate_chunks<5>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp);
+  switch (lanes - c) {
+    case 4: accumulate_chunks<4>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
+    case 3: accumulate_chunks<3>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
+    case 2: accumulate_chunks<2>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
+    case 1: accumulate_chunks<1>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
+    default: break;
+  }
+}
+
+// Online softmax step for one tile: s (rows x 32 scores, -inf where masked) becomes p = e^(s - M); the
+// running max M, sum Z and accumulated rows acc (lanes x dvp) are rescaled when M grows.
+template <int LV>
+BC_INLINE void softmax_lanes(float* __restrict s, int64_t rows, int64_t lanes, float* __restrict m, float* __restrict z,
+                            float* __restrict acc, int64_t dvp) {
+  f32x16 mx[LV];
+  for (int v = 0; v < LV; ++v) mx[v] = f32x16{} + kNegInf;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int v = 0; v < LV; ++v) {
+      const f32x16 x = load16(s + t * kLaneCount + 16 * v);
+      mx[v] = x > mx[v] ? x : mx[v];
+    }
+  f32x16 mv[LV];
+  for (int v = 0; v < LV; ++v) {
+    for (int j = 0; j < 16; ++j) {
+      const int c = 16 * v + j;
+      const float updated = std::max(m[c], mx[v][j]);
+      if (c < lanes && updated > m[c]) {  // a larger max: rescale what was accumulated so far
+        const float alpha = m[c] == kNegInf ? 0.f : fast_exp(m[c] - updated);
+        z[c] *= alpha;
+        for (int64_t d = 0; d < dvp; ++d) acc[c * dvp + d] *= alpha;
+        m[c] = updated;
+      }
+      mv[v][j] = m[c];
+    }
+  }
+  f32x16 sum[LV];
+  for (int v = 0; v < LV; ++v) sum[v] = f32x16{};
+  const f32x16 neg_inf = f32x16{} + kNegInf;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int v = 0; v < LV; ++v) {
+      float* p = s + t * kLaneCount + 16 * v;
+      const f32x16 x = load16(p);
+      const f32x16 e = x == neg_inf ? f32x16{} : fast_exp16(x - mv[v]);
+      sum[v] += e;
+      store16(p, e);
+    }
+  for (int v = 0; v < LV; ++v)
+    for (int j = 0; j < 16; ++j) z[16 * v + j] += sum[v][j];
+}
+
+// Sort n (<= 64) distinct composite keys descending by rank counting (branch-free, 8 keys per compare),
+// else std::sort.
+BC_INLINE void sort_descending(uint64_t* __restrict x, int64_t n, uint64_t* __restrict tmp) {
+  if (n <= 1) return;
+  if (n > 64) {
+    std::sort(x, x + n, [](uint64_t a, uint64_t b) { return a > b; });
+    return;
+  }
+  u64x8 v[8];
+  const int64_t blocks = (n + 7) / 8;
+  for (int64_t b = 0; b < blocks; ++b) {
+    v[b] = u64x8{};  // padding keys are 0: below every real key (whose low word is ~index != 0 ... >= 1)
+    std::memcpy(&v[b], x + 8 * b, std::min<int64_t>(8, n - 8 * b) * sizeof(uint64_t));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    i64x8 above = {};
+    for (int64_t b = 0; b < blocks; ++b) above -= (i64x8)(v[b] > x[i]);
+    int64_t rank = 0;
+    for (int j = 0; j < 8; ++j) rank += above[j];
+    tmp[rank] = x[i];
+  }
+  std::memcpy(x, tmp, n * sizeof(uint64_t));
+}
+
+// Per lane: how many scores of the tile are >= ge[lane] (float compares; -0 and +0 are equal, as in
+// torch.sort).
+template <int LV>
+BC_INLINE void count_at_least(const float* __restrict s, int64_t rows, const float* __restrict ge,
+                              int64_t* __restrict out) {
+  f32x16 g[LV];
+  i32x16 n[LV];
+  for (int v = 0; v < LV; ++v) {
+    g[v] = load16(ge + 16 * v);
+    n[v] = i32x16{};
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    for (int v = 0; v < LV; ++v) n[v] -= (i32x16)(load16(s + t * kLaneCount + 16 * v) >= g[v]);
+  for (int v = 0; v < LV; ++v)
+    for (int j = 0; j < 16; ++j) out[16 * v + j] = n[v][j];
+}
+
+// Per lane: the number of scores above thr[lane] (the candidates), and the smallest and largest of them.
+template <int LV>
+BC_INLINE void candidates(const float* __restrict s, int64_t rows, const float* __restrict thr,
+                          int64_t* __restrict count, float* __restrict lo, float* __restrict hi) {
+  f32x16 g[LV], mn[LV], mx[LV];
+  i32x16 n[LV];
+  for (int v = 0; v < LV; ++v) {
+    g[v] = load16(thr + 16 * v);
+    mn[v] = f32x16{} - kNegInf;
+    mx[v] = f32x16{} + kNegInf;
+    n[v] = i32x16{};
+  }
+  for (int64_t t = 0; t < rows; ++t)
+    for (int v = 0; v < LV; ++v) {
+      const f32x16 x = load16(s + t * kLaneCount + 16 * v);
+      const i32x16 in = (i32x16)(x > g[v]);
+      n[v] -= in;
+      mn[v] = in & (i32x16)(x < mn[v]) ? x : mn[v];
+      mx[v] = in & (i32x16)(x > mx[v]) ? x : mx[v];
+    }
+  for (int v = 0; v < LV; ++v)
+    for (int j = 0; j < 16; ++j) {
+      count[16 * v + j] = n[v][j];
+      lo[16 * v + j] = mn[v][j];
+      hi[16 * v + j] = mx[v][j];
+    }
+}
+
+// Merge the candidates of one tile (scores s, keys j0 + t) into each lane's top-k list.
+template <int LV>
+BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
+  const int64_t lanes = top.lanes, k = top.k;
+  float thr[kLaneCount];
+  for (int c = 0; c < kLaneCount; ++c) thr[c] = c < lanes ? top.thr[c] : -kNegInf;  // unused lanes: none
+  int64_t cnt[kLaneCount];
+  float cmin[kLaneCount], cmax[kLaneCount];
+  candidates<LV>(s, rows, thr, cnt, cmin, cmax);
+  bool any = false, many = false;
+  for (int c = 0; c < lanes; ++c) {
+    any |= cnt[c] > 0;
+    many |= cnt[c] > k;
+  }
+  if (!any) return;
+  // Take, per lane, the scores >= ge[lane] (all candidates: just above thr), and the first quota[lane] keys
+  // (in index order) whose score equals eq[lane]: ties at the k-th best go to the lowest indices.
+  float ge[kLaneCount], eq[kLaneCount];
+  int64_t quota[kLaneCount] = {};
+  for (int c = 0; c < kLaneCount; ++c) {
+    ge[c] = c < lanes ? std::nextafter(thr[c], -kNegInf) : -kNegInf;
+    eq[c] = std::numeric_limits<float>::quiet_NaN();  // equal to nothing
+  }
+  if (many) {
+    // Lanes with more than k candidates: bisection on the score for the k-th best, t. Invariants:
+    // count(>= lo) >= k > count(>= hi) = c_hi; first test hi = the largest candidate.
+    float lo[kLaneCount], hi[kLaneCount], mid[kLaneCount];
+    int64_t c_hi[kLaneCount], got[kLaneCount];
+    bool active[kLaneCount], exact[kLaneCount], hi_known[kLaneCount];
+    for (int c = 0; c < kLaneCount; ++c) {
+      active[c] = c < lanes && cnt[c] > k;
+      exact[c] = hi_known[c] = false;
+      lo[c] = cmin[c];
+      hi[c] = cmax[c];
+      c_hi[c] = 0;
+    }
+    for (;;) {
+      bool more = false;
+      for (int c = 0; c < kLaneCount; ++c) {
+        if (active[c] && hi_known[c]) {
+          float m = 0.5f * lo[c] + 0.5f * hi[c];
+          if (!(m > lo[c] && m < hi[c])) m = std::nextafter(lo[c], hi[c]);
+          if (!(m < hi[c])) {
+            active[c] = false;  // no float between lo and hi: every key in [lo, hi) equals lo
+          } else {
+            mid[c] = m;
+          }
+        } else if (active[c]) {
+          mid[c] = hi[c];  // first step: the largest candidate
+        }
+        more |= active[c];
+        if (!active[c]) mid[c] = -kNegInf;
+      }
+      if (!more) break;
+      count_at_least<LV>(s, rows, mid, got);
+      for (int c = 0; c < kLaneCount; ++c) {
+        if (!active[c]) continue;
+        if (got[c] == k) {  // exactly k at or above mid: take them all, no tie to break
+          lo[c] = mid[c];
+          exact[c] = true;
+          active[c] = false;
+        } else if (got[c] > k) {
+          lo[c] = mid[c];
+          if (!hi_known[c]) active[c] = false;  // more than k equal to the largest: ties at lo = max
+          hi_known[c] = true;
+        } else {
+          hi[c] = mid[c];
+          c_hi[c] = got[c];
+          hi_known[c] = true;
+        }
+      }
+    }
+    for (int c = 0; c < lanes; ++c) {
+      if (cnt[c] <= k) continue;
+      if (exact[c]) {
+        ge[c] = lo[c];
+      } else {  // the c_hi keys above lo, then the first k - c_hi keys equal to lo
+        ge[c] = std::nextafter(lo[c], -kNegInf);
+        eq[c] = lo[c];
+        quota[c] = k - c_hi[c];
+      }
+    }
+  }
+  // Extraction in key order.
+  for (int c = 0; c < kLaneCount; ++c) top.ncand[c] = 0;
+  f32x16 g[LV], e[LV];
+  for (int v = 0; v < LV; ++v) {
+    g[v] = load16(ge + 16 * v);
+    e[v] = load16(eq + 16 * v);
+  }
+  bool ties = false;
+  for (int c = 0; c < lanes; ++c) ties |= quota[c] > 0;
+  uint64_t* cand = top.cand.data();
+  for (int64_t t = 0; t < rows; ++t) {
+    uint64_t bits = 0, tie_bits = 0;
+    for (int v = 0; v < LV; ++v) {
+      const f32x16 x = load16(s + t * kLaneCount + 16 * v);
+      bits |= static_cast<uint64_t>(lane_bits((i32x16)(x >= g[v]))) << (16 * v);
+      if (ties) tie_bits |= static_cast<uint64_t>(lane_bits((i32x16)(x == e[v]))) << (16 * v);
+    }
+    while (bits) {
+      const int c = __builtin_ctzll(bits);
+      bits &= bits - 1;
+      cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+    }
+    while (tie_bits) {
+      const int c = __builtin_ctzll(tie_bits);
+      tie_bits &= tie_bits - 1;
+      if (quota[c] > 0) {
+        --quota[c];
+        cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+      }
+    }
+  }
+  // Sort each lane's candidates and merge them behind its list (list keys have lower indices).
+  for (int c = 0; c < lanes; ++c) {
+    const int64_t n = top.ncand[c];
+    if (n == 0) continue;
+    uint64_t* x = cand + c * k;
+    sort_descending(x, n, top.merged.data());
+    uint64_t* l = top.list.data() + c * k;
+    const int64_t have = top.count[c];
+    const int64_t total = std::min(k, have + n);
+    uint64_t* out = top.merged.data();
+    int64_t a = 0, b = 0;
+    for (int64_t o = 0; o < total; ++o) out[o] = (b >= n || (a < have && l[a] > x[b])) ? l[a++] : x[b++];
+    std::memcpy(l, out, total * sizeof(uint64_t));
+    top.count[c] = total;
+    if (total == k) top.thr[c] = LaneTopK::score_of(l[k - 1]);
+  }
+}
+
+template <int LV>
+BC_INLINE void mask_lanes(float* __restrict s, int64_t rows, const int32_t* __restrict first,
+                          const int32_t* __restrict last) {
+  i32x16 lane[LV];
+  for (int v = 0; v < LV; ++v)
+    for (int j = 0; j < 16; ++j) lane[v][j] = 16 * v + j;
+  const f32x16 neg_inf = f32x16{} + kNegInf;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int v = 0; v < LV; ++v) {
+      float* p = s + t * kLaneCount + 16 * v;
+      const i32x16 keep = (lane[v] >= first[t]) & (lane[v] <= last[t]);
+      store16(p, keep ? load16(p) : neg_inf);
+    }
+}
+
+template <typename T>
+BC_INLINE void widen_rows(const Rows& src, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t d, int64_t width,
+                          float* buf) {
+  for (int64_t t = 0; t < rows; ++t) {
+    widen(src.at<T>(r, h, j0 + t), buf + t * width, d);
+    std::fill(buf + t * width + d, buf + (t + 1) * width, 0.f);
+  }
+}
+
+}  // namespace
+
+BC_MULTIVERSION
+void widen_row(InputType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case InputType::kFloat32: std::memcpy(dst, src, n * sizeof(float)); break;
+    case InputType::kBFloat16: widen(static_cast<const c10::BFloat16*>(src), dst, n); break;
+    case InputType::kFloat16: widen(static_cast<const c10::Half*>(src), dst, n); break;
+  }
+}
+
+BC_MULTIVERSION
+const float* float_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t d,
+                        int64_t width, bool in_place_ok, float* buf, int64_t* stride) {
+  *stride = width;
+  switch (type) {
+    case InputType::kFloat32:
+      if (in_place_ok) {
+        *stride = src.s2;
+        return src.at<float>(r, h, j0);
+      }
+      widen_rows<float>(src, r, h, j0, rows, d, width, buf);
+      break;
+    case InputType::kBFloat16: widen_rows<c10::BFloat16>(src, r, h, j0, rows, d, width, buf); break;
+    case InputType::kFloat16: widen_rows<c10::Half>(src, r, h, j0, rows, d, width, buf); break;
+  }
+  return buf;
+}
+
+BC_MULTIVERSION
+void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
+                int lane_vectors, float* s) {
+  if (lane_vectors == 1) {
+    score_rows<1>(qt, k, kstride, rows, dk, scaling, s);
+  } else {
+    score_rows<2>(qt, k, kstride, rows, dk, scaling, s);
+  }
+}
+
+BC_MULTIVERSION
+void mask_tile(float* s, int64_t rows, const int32_t* first, const int32_t* last, int lane_vectors) {
+  if (lane_vectors == 1) {
+    mask_lanes<1>(s, rows, first, last);
+  } else {
+    mask_lanes<2>(s, rows, first, last);
+  }
+}
+
+BC_MULTIVERSION
+void softmax_tile(float* s, int64_t rows, int64_t lanes, int lane_vectors, float* m, float* z, float* acc,
+                  int64_t dvp) {
+  if (lane_vectors == 1) {
+    softmax_lanes<1>(s, rows, lanes, m, z, acc, dvp);
+  } else {
+    softmax_lanes<2>(s, rows, lanes, m, z, acc, dvp);
+  }
+}
+
+BC_MULTIVERSION
+void accumulate_tile(const float* p, const float* v, int64_t vstride, int64_t rows, int64_t lanes, float* acc,
+                     int64_t dvp) {
+  accumulate_all(p, v, vstride, rows, lanes, acc, dvp);
+}
+
+BC_MULTIVERSION
+void weighted_rows(const float* w, const float* const* rows, int64_t count, int64_t dv, float* out) {
+  int64_t d = 0;
+  for (; d + 64 <= dv; d += 64) {
+    f32x16 a0 = load16(out + d), a1 = load16(out + d + 16), a2 = load16(out + d + 32), a3 = load16(out + d + 48);
+    for (int64_t j = 0; j < count; ++j) {
+      const float* x = rows[j] + d;
+      a0 += w[j] * load16(x);
+      a1 += w[j] * load16(x + 16);
+      a2 += w[j] * load16(x + 32);
+      a3 += w[j] * load16(x + 48);
+    }
+    store16(out + d, a0);
+    store16(out + d + 16, a1);
+    store16(out + d + 32, a2);
+    store16(out + d + 48, a3);
+  }
+  for (; d + 16 <= dv; d += 16) {
+    f32x16 a = load16(out + d);
+    for (int64_t j = 0; j < count; ++j) a += w[j] * load16(rows[j] + d);
+    store16(out + d, a);
+  }
+  for (; d < dv; ++d)
+    for (int64_t j = 0; j < count; ++j) out[d] += w[j] * rows[j][d];
+}
+
+BC_MULTIVERSION
+void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, fast_exp16(load16(x + i) - shift) * scale);
+  for (; i < n; ++i) out[i] = fast_exp(x[i] - shift) * scale;
+}
+
+BC_MULTIVERSION
+void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors) {
+  if (lane_vectors == 1) {
+    topk_lanes<1>(top, s, rows, j0);
+  } else {
+    topk_lanes<2>(top, s, rows, j0);
+  }
+}
+
+}  // namespace bert_cluster

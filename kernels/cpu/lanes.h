@@ -1,0 +1,94 @@
+// Attention of up to 32 "lane" vectors (cluster centroids, or a block of consecutive queries) against a
+// range of keys, in tiles of keys with an online softmax: the engine of centroid_attention (lanes =
+// clusters, all keys, with top-k tracking) and banded_attention (lanes = 32 queries, the keys of their band).
+//
+// Layout: the lanes are the vector lanes. Scores of a tile are (tile x 32) floats, one row per key, so that
+// the softmax statistics, the masks and the top-k bisection run on 16 lanes per instruction and the keys
+// are read row by row in their own layout (no transposition of K or V). Inputs in fp16/bf16 are widened
+// tile by tile into small float buffers (never a full-size copy). Every task computes in a fixed order
+// that does not depend on how the work is split between threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "vec.h"
+
+namespace bert_cluster {
+
+constexpr int kLaneCount = 32;     // lanes per task (2 vectors)
+constexpr int64_t kKeyTile = 256;  // keys per tile: a (256 x 32) score tile is 32 KiB
+
+inline int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// A tile of key or value rows as float32 for the kernels below: rows [j0, j0 + rows) of one (row, head),
+// in place for float32 inputs (when `in_place_ok`), else widened into buf with rows of `width` floats
+// (zero-padded past d). Returns the rows and sets *stride.
+const float* float_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t d,
+                        int64_t width, bool in_place_ok, float* buf, int64_t* stride);
+
+// src (n values of `type`) as float32 into dst.
+void widen_row(InputType type, const void* src, float* dst, int64_t n);
+
+// s (rows x 32, row-major) = scaling * k . qt for the first 16 * lane_vectors lanes; k: rows of dk floats,
+// kstride apart; qt: dk x 32, lane-major.
+void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
+                int lane_vectors, float* s);
+
+// s[t][c] = -inf for the lanes c outside [first[t], last[t]] (an empty range when first > last).
+void mask_tile(float* s, int64_t rows, const int32_t* first, const int32_t* last, int lane_vectors);
+
+// Online softmax step for one tile: s (rows x 32 scores, -inf where masked) becomes p = e^(s - M); the
+// running max m, sum z and accumulated rows acc (lanes x dvp) are rescaled where the max grows.
+void softmax_tile(float* s, int64_t rows, int64_t lanes, int lane_vectors, float* m, float* z, float* acc,
+                  int64_t dvp);
+
+// acc (lanes x dvp) += p^T v for the first `lanes` lanes: p (rows x 32), v rows (dvp floats readable) vstride apart.
+void accumulate_tile(const float* p, const float* v, int64_t vstride, int64_t rows, int64_t lanes, float* acc,
+                     int64_t dvp);
+
+// out[0..dv) += sum_j w[j] * rows[j][0..dv)
+void weighted_rows(const float* w, const float* const* rows, int64_t count, int64_t dv, float* out);
+
+// out[i] = e^(x[i] - shift) * scale for i < n
+void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out);
+
+// The k best keys of each lane by (score desc, key index asc), over tiles seen in key order. A key with
+// score -inf is never picked (as in the reference). Lists hold composite keys (order key of the score in
+// the high word, ~index in the low word): sorting them descending sorts by score desc, then index asc.
+struct LaneTopK {
+  int64_t k = 0;
+  int64_t lanes = 0;
+  std::vector<uint64_t> list, cand, merged;  // lanes x k, lanes x k, 2k
+  int64_t count[kLaneCount] = {};
+  int64_t ncand[kLaneCount] = {};
+  float thr[kLaneCount] = {};  // a key enters a lane only with a score above this (the k-th best's, when full)
+
+  void reset(int64_t k_, int64_t lanes_) {
+    k = k_;
+    lanes = lanes_;
+    list.resize(k * kLaneCount);
+    cand.resize(k * kLaneCount);
+    merged.resize(2 * k);
+    for (int c = 0; c < kLaneCount; ++c) {
+      count[c] = 0;
+      thr[c] = kNegInf;
+    }
+  }
+
+  static uint64_t composite(float score, int64_t index) {
+    const int32_t key = order_key(score + 0.0f);  // -0 -> +0: equal scores get equal keys
+    return (static_cast<uint64_t>(static_cast<uint32_t>(key) ^ 0x80000000u) << 32) |
+           (0xFFFFFFFFull - static_cast<uint64_t>(index));
+  }
+  static int64_t index_of(uint64_t c) { return static_cast<int64_t>(0xFFFFFFFFull - (c & 0xFFFFFFFFull)); }
+  static float score_of(uint64_t c) { return from_order_key(static_cast<int32_t>((c >> 32) ^ 0x80000000u)); }
+};
+
+// Merge the candidates of one tile (scores s, keys j0 + t) into each lane's top-k list.
+void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors);
+
+}  // namespace bert_cluster

@@ -1,0 +1,463 @@
+"""The GPU checks the CPU test suite cannot make, run by scripts/gpu_check.sh on a machine with a CUDA GPU.
+
+    python scripts/gpu_checks.py checks --output OUT/checks.json   # correctness on the GPU (~1 min)
+    python scripts/gpu_checks.py quick                              # small shapes, for compute-sanitizer
+    python scripts/gpu_checks.py bench --output OUT/bench.json      # CUDA-event timings, SDPA, peak memory
+
+`checks`: every op against the reference on the GPU at N = 5,000 and 8,192; head dims 8, 40, 72, 200, 256,
+512 and Dv != Dk; a fully padded row; C above the valid count with duplicate hashes; N = 1; many rows and
+heads; HF-layout (non-contiguous) inputs; a side stream; no host synchronisation inside the ops
+(torch.cuda.set_sync_debug_mode); run-to-run determinism; out-of-range indices failing a device assertion.
+Each check is recorded as passed / failed with its error and measured figures; one failure does not stop
+the others. `bench`: per-op CUDA-event timings, i-clustered end to end against SDPA (flash, bf16) at 4k to
+32k tokens, batch 1 and 16, and the peak memory of a mixed batch at 16k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bert_cluster import ClusteredAttentionConfig, clustered_attention, dispatch  # noqa: E402
+from bert_cluster import reference as ref  # noqa: E402
+from bert_cluster.attention import hash_planes, windowed_attention  # noqa: E402
+
+DEVICE = "cuda"
+#: Float outputs of one op against the reference on the same inputs (fp32 accumulation on both sides):
+#: the CPU suite's thresholds (tests/ops/test_ops.py OP_ATOL), doubled for the longer rows here.
+OP_ATOL = {torch.float32: 8e-6, torch.float16: 8e-6, torch.bfloat16: 1.2e-5}
+END_ATOL = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _inputs(rows, heads, n, dk, dv=None, dtype=torch.float32, seed=0, pad=True):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, heads, n, dk, generator=generator).to(dtype)
+    k = torch.randn(rows, heads, n, dk, generator=generator).to(dtype)
+    v = torch.randn(rows, heads, n, dv or dk, generator=generator).to(dtype)
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    if pad and rows > 1:
+        valid[-1, n - n // 3 :] = False
+        valid[-1, n // 5] = False
+    return q, k, v, valid
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b.float().cpu()).abs().max()) if a.numel() else 0.0
+
+
+class Checks:
+    """Runs named checks, recording each outcome; never lets one failure stop the rest."""
+
+    def __init__(self) -> None:
+        self.results: list[dict] = []
+
+    def run(self, name: str, fn) -> None:
+        start = time.perf_counter()
+        entry: dict = {"check": name}
+        try:
+            facts = fn() or {}
+            entry.update(status="passed", **facts)
+        except Exception as error:  # noqa: BLE001 - recorded, then the next check runs
+            trace = traceback.format_exc()[-2000:]
+            entry.update(status="failed", error=f"{type(error).__name__}: {error}", trace=trace)
+        entry["seconds"] = round(time.perf_counter() - start, 2)
+        self.results.append(entry)
+        print(
+            f"[{entry['status']:6s}] {name} ({entry['seconds']} s)"
+            + (f": {entry.get('error', '')}" if entry["status"] == "failed" else ""),
+            flush=True,
+        )
+
+
+def ops_against_reference(
+    n: int,
+    dtype,
+    dk: int = 64,
+    dv: int | None = None,
+    rows: int = 2,
+    heads: int = 2,
+    clusters: int = 25,
+    topk: int = 32,
+    given=None,
+) -> dict:
+    """Every op on the GPU against the reference (run on the CPU) on the reference's own inputs."""
+    cuda = dispatch.BACKENDS["cuda"]
+    q, k, v, valid = given if given is not None else _inputs(rows, heads, n, dk, dv, dtype)
+    planes, offsets = hash_planes(0, 0, 63, dk)
+    scaling = 1 / math.sqrt(dk)
+    d = lambda t: t.to(DEVICE)  # noqa: E731
+    errors = {}
+    hashes = ref.hash_queries(q, planes, offsets)
+    got_hashes = cuda.hash_queries(d(q), d(planes), d(offsets)).cpu()
+    errors["hash_bits_differing_fraction"] = float((got_hashes != hashes).float().mean())
+    assign, cent = ref.hamming_kmeans(hashes, valid, clusters, 10, 63)
+    got_assign, got_cent = cuda.hamming_kmeans(d(hashes), d(valid), clusters, 10, 63)
+    assert torch.equal(got_assign.cpu(), assign), "hamming_kmeans assignments differ"
+    assert torch.equal(got_cent.cpu(), cent), "hamming_kmeans centroids differ"
+    centroids, counts = ref.group_queries(q, assign, clusters)
+    got_centroids, got_counts = cuda.group_queries(d(q), d(assign), clusters)
+    assert torch.equal(got_counts.cpu(), counts), "group_queries counts differ"
+    errors["group_queries"] = _max_err(got_centroids, centroids)
+    expected = ref.centroid_attention(centroids, k, v, valid, topk, scaling)
+    got = cuda.centroid_attention(d(centroids), d(k), d(v), d(valid), topk, scaling)
+    errors["centroid_values"] = _max_err(got[0], expected[0])
+    errors["topk_indices_differing"] = int((got[1].cpu() != expected[1]).sum())
+    errors["topk_mass"] = _max_err(got[2], expected[2])
+    errors["topk_values"] = _max_err(got[3], expected[3])
+    refined = ref.topk_refine(q, k, v, assign, *expected, scaling)
+    got_refined = cuda.topk_refine(d(q), d(k), d(v), d(assign), *[d(t) for t in expected], scaling)
+    errors["topk_refine"] = _max_err(got_refined, refined)
+    broadcast = ref.broadcast_clusters(expected[0], assign)
+    errors["broadcast_clusters"] = _max_err(cuda.broadcast_clusters(d(expected[0]), d(assign)), broadcast)
+    band = ref.banded_attention(q, k, v, valid, 64, scaling)
+    errors["banded_attention"] = _max_err(
+        cuda.banded_attention(d(q), d(k), d(v), d(valid), 64, scaling), band
+    )
+    atol = OP_ATOL[dtype]
+    floats = (
+        "group_queries",
+        "centroid_values",
+        "topk_mass",
+        "topk_values",
+        "topk_refine",
+        "banded_attention",
+    )
+    for name in floats:
+        assert errors[name] <= atol, f"{name}: max abs error {errors[name]:.3g} > {atol}"
+    assert errors["broadcast_clusters"] == 0.0
+    # A different GEMM order may flip a hash bit within ulps of 0 or swap two near-equal top-k scores.
+    assert errors["hash_bits_differing_fraction"] < 1e-3, errors
+    assert errors["topk_indices_differing"] <= 0.001 * got[1].numel() + 2, errors
+    return {"errors": errors}
+
+
+def end_to_end(
+    n,
+    dk,
+    dv=None,
+    dtype=torch.float32,
+    rows=2,
+    heads=2,
+    clusters=25,
+    topk=32,
+    mode="i-clustered",
+    valid=None,
+    seed=0,
+    q=None,
+    k=None,
+    v=None,
+) -> dict:
+    if q is None:
+        q, k, v, made = _inputs(rows, heads, n, dk, dv, dtype, seed)
+        valid = made if valid is None else valid
+    config = ClusteredAttentionConfig(clusters=clusters, topk=topk, mode=mode)
+    expected = clustered_attention(
+        q.float().contiguous(),
+        k.float().contiguous(),
+        v.float().contiguous(),
+        valid,
+        config.replace(backend="reference"),
+    )
+    got = clustered_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), valid.to(DEVICE), config.replace(backend="cuda")
+    )
+    err = _max_err(got, expected)
+    assert err <= END_ATOL[dtype], f"max abs error {err:.3g}"
+    band_expected = ref.banded_attention(
+        q.float(), k.float(), v.float(), valid, 16, 1 / math.sqrt(q.shape[-1])
+    )
+    band = windowed_attention(
+        q.to(DEVICE).float(),
+        k.to(DEVICE).float(),
+        v.to(DEVICE).float(),
+        valid.to(DEVICE),
+        16,
+        config.replace(backend="cuda"),
+    )
+    band_err = _max_err(band, band_expected)
+    assert band_err <= OP_ATOL[torch.float32], f"band max abs error {band_err:.3g}"
+    return {"max_abs_error": err, "band_max_abs_error": band_err}
+
+
+def side_stream_no_sync_deterministic() -> dict:
+    """Same bits on a side stream, twice, with torch raising on any host synchronisation inside the ops."""
+    q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, 3000, 64, dtype=torch.bfloat16, seed=3))
+    config = ClusteredAttentionConfig(backend="cuda")
+    torch.cuda.synchronize()
+    base = clustered_attention(q, k, v, valid, config)  # warm-up (planes cached, kernels loaded)
+    from bert_cluster import ops
+
+    planes, offsets = hash_planes(0, 0, 63, 64, DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            hashes = ops.hash_queries(q, planes, offsets)
+            assign, _ = ops.hamming_kmeans(hashes, valid, 25, 10, 63)
+            centroids, _ = ops.group_queries(q, assign, 25)
+            attended = ops.centroid_attention(centroids, k, v, valid, 32, 0.125)
+            first = ops.topk_refine(q, k, v, assign, *attended, 0.125)
+            again = ops.centroid_attention(centroids, k, v, valid, 32, 0.125)
+            second = ops.topk_refine(q, k, v, assign, *again, 0.125)
+            band = ops.banded_attention(q, k, v, valid, 64, 0.125)
+            band_again = ops.banded_attention(q, k, v, valid, 64, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream.synchronize()
+    assert torch.equal(first, second), "topk_refine differs between two runs"
+    assert torch.equal(band, band_again), "banded_attention differs between two runs"
+    again = clustered_attention(q, k, v, valid, config)
+    assert torch.equal(base, again), "clustered_attention differs between two runs"
+    return {"sync_debug_mode": "error (no synchronising call inside the ops)"}
+
+
+def device_assert_on_bad_assignments() -> dict:
+    """Out-of-range assignments fail a device-side assertion (in a child: the CUDA context is lost after)."""
+    code = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from bert_cluster import ops\n"
+        "q = torch.randn(1, 1, 16, 8, device='cuda')\n"
+        "a = torch.zeros(1, 1, 16, dtype=torch.long, device='cuda')\n"
+        "a[0, 0, 3] = 7\n"
+        "ops.group_queries(q, a, 3); torch.cuda.synchronize(); print('NO ERROR')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NO ERROR" not in text, "an out-of-range assignment was accepted"
+    assert "assert" in text.lower(), text[-500:]
+    return {"message": text.strip().splitlines()[-1][:200]}
+
+
+def checks(output: Path) -> int:
+    torch.manual_seed(0)
+    ok, why = dispatch.BACKENDS["cuda"].is_available()
+    if not ok:
+        output.write_text(json.dumps({"error": f"CUDA backend unavailable: {why}"}, indent=1))
+        print(f"CUDA backend unavailable: {why}")
+        return 1
+    c = Checks()
+    for n in (5000, 8192):
+        for dtype in (torch.float32, torch.bfloat16):
+            c.run(f"ops vs reference N={n} {dtype}", lambda n=n, dtype=dtype: ops_against_reference(n, dtype))
+    for dk in (8, 40, 72, 200, 256, 512):
+        c.run(f"end to end head dim {dk}", lambda dk=dk: end_to_end(300, dk, heads=2))
+    c.run("Dv != Dk (64, 40)", lambda: end_to_end(400, 64, 40))
+
+    def head_dim_limit():
+        reasons = dispatch.CudaKernelBackend.not_supported_reasons(torch.zeros(1, 1, 2, 513, device=DEVICE))
+        assert reasons, "no reason given for Dk=513"
+        assert dispatch.select_backend("auto", torch.zeros(1, 1, 2, 513, device=DEVICE)).name == "reference"
+        return {"reasons": reasons}
+
+    c.run("head dim 513 declines CUDA with a reason (auto falls back)", head_dim_limit)
+
+    def fully_padded():
+        q, k, v, valid = _inputs(3, 2, 200, 64)
+        valid[1] = False
+        facts = end_to_end(200, 64, q=q, k=k, v=v, valid=valid)
+        got = clustered_attention(
+            q.to(DEVICE),
+            k.to(DEVICE),
+            v.to(DEVICE),
+            valid.to(DEVICE),
+            ClusteredAttentionConfig(backend="cuda"),
+        )
+        assert bool((got[1] == 0).all()), "a fully padded row must give zeros"
+        return facts
+
+    c.run("fully padded row", fully_padded)
+
+    def duplicate_hashes():
+        q, k, v, valid = _inputs(2, 2, 300, 32, seed=5)
+        q = q[:, :, torch.arange(300) % 7].contiguous()  # 7 distinct queries: 7 distinct hashes at most
+        valid[1, 40:] = False  # row 1: 40 valid tokens, fewer than C = 50
+        facts = ops_against_reference(300, torch.float32, dk=32, clusters=50, given=(q, k, v, valid))
+        facts["end_to_end"] = end_to_end(300, 32, q=q, k=k, v=v, valid=valid, clusters=50)
+        return facts
+
+    c.run("C above the valid count, duplicate hashes", duplicate_hashes)
+    c.run("N = 1", lambda: end_to_end(1, 64, rows=3))
+    many = lambda: end_to_end(256, 32, rows=64, heads=16, dtype=torch.float16)  # noqa: E731
+    c.run("many rows and heads (64 x 16 x 256)", many)
+
+    def hf_layout():
+        generator = torch.Generator().manual_seed(6)
+        q, k, v = (torch.randn(2, 500, 12, 64, generator=generator).transpose(1, 2) for _ in range(3))
+        valid = torch.ones(2, 500, dtype=torch.bool)
+        valid[1, 420:] = False
+        return end_to_end(500, 64, q=q, k=k, v=v, valid=valid)
+
+    c.run("HF-layout non-contiguous inputs", hf_layout)
+    c.run("side stream, no host sync, run-to-run determinism", side_stream_no_sync_deterministic)
+    c.run("out-of-range assignments fail a device assertion", device_assert_on_bad_assignments)
+    failed = [r["check"] for r in c.results if r["status"] != "passed"]
+    output.write_text(json.dumps({"failed": failed, "results": c.results}, indent=1))
+    print(f"{len(c.results) - len(failed)} of {len(c.results)} checks passed; wrote {output}")
+    return 1 if failed else 0
+
+
+def quick() -> int:
+    """Small shapes through every op (for compute-sanitizer memcheck / racecheck)."""
+    for n, dk, dv, rows in ((1, 8, 8, 1), (37, 40, 24, 2), (300, 64, 64, 2)):
+        q, k, v, valid = (t.to(DEVICE) for t in _inputs(rows, 2, n, dk, dv, seed=n))
+        for mode in ("i-clustered", "clustered"):
+            clustered_attention(
+                q, k, v, valid, ClusteredAttentionConfig(clusters=5, topk=8, mode=mode, backend="cuda")
+            )
+        windowed_attention(q, k, v, valid, 7, ClusteredAttentionConfig(backend="cuda"))
+    torch.cuda.synchronize()
+    print("quick: done")
+    return 0
+
+
+def _event_time(fn, repeats: int) -> float:
+    """Median milliseconds of fn over `repeats` runs (CUDA events), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64) -> dict:
+    """One (batch, N): SDPA (flash, bf16), i-clustered end to end, and each op, in CUDA-event milliseconds."""
+    from bert_cluster import ops
+
+    q, k, v = (torch.randn(batch, heads, n, dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    valid = torch.ones(batch, n, dtype=torch.bool, device=DEVICE)
+    config = ClusteredAttentionConfig(backend="cuda", min_length=0)
+    flash = torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    with torch.nn.attention.sdpa_kernel(flash):
+        sdpa = _event_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
+    total = _event_time(lambda: clustered_attention(q, k, v, valid, config), repeats)
+    planes, offsets = hash_planes(0, 0, 63, dim, DEVICE)
+    hashes = ops.hash_queries(q, planes, offsets)
+    assign, _ = ops.hamming_kmeans(hashes, valid, 25, 10, 63)
+    centroids, _ = ops.group_queries(q, assign, 25)
+    attended = ops.centroid_attention(centroids, k, v, valid, 32, 0.125)
+    steps = {
+        "hash_queries": lambda: ops.hash_queries(q, planes, offsets),
+        "hamming_kmeans": lambda: ops.hamming_kmeans(hashes, valid, 25, 10, 63),
+        "group_queries": lambda: ops.group_queries(q, assign, 25),
+        "centroid_attention": lambda: ops.centroid_attention(centroids, k, v, valid, 32, 0.125),
+        "topk_refine": lambda: ops.topk_refine(q, k, v, assign, *attended, 0.125),
+        "banded_attention (w=64)": lambda: ops.banded_attention(q, k, v, valid, 64, 0.125),
+    }
+    per_op = {name: _event_time(step, repeats) for name, step in steps.items()}
+    return {
+        "batch": batch,
+        "n": n,
+        "sdpa_flash_bf16_ms": sdpa,
+        "i_clustered_ms": total,
+        "speedup_vs_sdpa": sdpa / total,
+        "ops_ms": per_op,
+    }
+
+
+def bench(output: Path, lengths: list[int], batches: list[int], repeats: int) -> int:
+    rows = []
+    for batch in batches:
+        for n in lengths:
+            try:
+                row = bench_case(batch, n, repeats)
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: record and go on
+                row = {"batch": batch, "n": n, "error": f"{type(error).__name__}: {error}"}
+            torch.cuda.empty_cache()
+            rows.append(row)
+            brief = {key: round(val, 3) if isinstance(val, float) else val for key, val in row.items()}
+            brief.pop("ops_ms", None)
+            print(json.dumps(brief), flush=True)
+    memory = mixed_batch_memory()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": str(torch.__version__),
+        "shape": {"heads": 12, "head_dim": 64, "dtype": "bfloat16"},
+        "settings": {"clusters": 25, "topk": 32, "bits": 63, "iterations": 10},
+        "timing": f"median of {repeats} CUDA-event timings after one warm-up",
+        "rows": rows,
+        "mixed_batch_memory": memory,
+    }
+    output.write_text(json.dumps(result, indent=1))
+    print(json.dumps(memory), flush=True)
+    print(f"wrote {output}")
+    return 0
+
+
+def mixed_batch_memory(n: int = 16384, batch: int = 16) -> dict:
+    """Peak memory added by one call on padded rows of mixed lengths up to n: i-clustered vs SDPA (mask)."""
+    heads, dim, dtype = 12, 64, torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(n // 8, n + 1, (batch,), generator=generator)
+    lengths[0] = n
+    valid = (torch.arange(n)[None, :] < lengths[:, None]).to(DEVICE)
+    q, k, v = (torch.randn(batch, heads, n, dim, device=DEVICE, dtype=dtype) for _ in range(3))
+    out = {"n": n, "batch": batch, "lengths": lengths.tolist()}
+
+    def peak(fn) -> float:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    try:
+        out["i_clustered_peak_mib"] = peak(
+            lambda: clustered_attention(
+                q, k, v, valid, ClusteredAttentionConfig(backend="cuda", min_length=0)
+            )
+        )
+    except Exception as error:  # noqa: BLE001
+        out["i_clustered_error"] = f"{type(error).__name__}: {error}"
+    try:
+        mask = valid[:, None, None, :]
+        out["sdpa_masked_peak_mib"] = peak(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        )
+    except Exception as error:  # noqa: BLE001
+        out["sdpa_error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("what", choices=["checks", "quick", "bench"])
+    parser.add_argument("--output", type=Path, default=Path("gpu_checks.json"))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_checks: no CUDA GPU visible")
+        return 1
+    if args.what == "checks":
+        return checks(args.output)
+    if args.what == "quick":
+        return quick()
+    return bench(args.output, args.lengths, args.batches, args.repeats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
