@@ -18,7 +18,7 @@ def positive_int(name: str, value: object) -> int:
     from bert_cluster.config import _check_int
 
     try:
-        _check_int(name, value, 1)
+        _check_int(name, value, 1, 2**63 - 1)
     except (TypeError, ValueError) as error:
         raise UserError(str(error)) from None
     return value  # type: ignore[return-value]
