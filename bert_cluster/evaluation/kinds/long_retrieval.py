@@ -233,6 +233,10 @@ class LongRetrievalKind(_EmbeddingKind):
             task, RETRIEVAL_METRIC.fullmatch, "accuracy@k, precision@k, recall@k, mrr@k, ndcg@k, map@k"
         )
 
+    def positions(self, task: Any, checkpoint_positions: int | None) -> int | None:
+        """The positions of the model this task scores: the proxy's when it builds one."""
+        return task_options(task)["long_position_proxy"] or checkpoint_positions
+
     def load_model(self, model: str | Path, task: Any, device: str) -> LoadedModel:
         """A SentenceTransformer whose default truncation is the model's whole position table.
 
