@@ -107,8 +107,13 @@ def _attention(
         raise UserError(str(error)) from None
 
 
-def _check_positions(model: str, max_length: int | None) -> None:
-    """``max_length`` against a local checkpoint's positions, from its config.json (no model load)."""
+def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> None:
+    """``max_length`` against a local checkpoint's positions, from its config.json (no model load).
+
+    A kind that scores a model derived from the checkpoint (the long task's position proxy) says how
+    many positions that one takes (an optional ``positions(task, checkpoint_positions)`` member).
+    """
+    from bert_cluster.evaluation.kinds import get_kind
     from bert_cluster.evaluation.modeling import max_positions
 
     config_file = Path(model).expanduser() / "config.json"
@@ -119,6 +124,9 @@ def _check_positions(model: str, max_length: int | None) -> None:
     except (OSError, ValueError, TypeError):
         return  # the load itself will say what is wrong with the file
     positions = max_positions(config)
+    derived = getattr(get_kind(task), "positions", None)
+    if derived is not None:
+        positions = derived(task, positions)
     if positions is not None and max_length > positions:
         raise UserError(f"--max-length {max_length} is more than model {model} takes ({positions} positions)")
 
@@ -215,7 +223,7 @@ def evaluate(
     for backend in {config.backend for config in configurations}:
         runner.attention_backend(base.replace(backend=backend), device)
     for task in task_configs:
-        _check_positions(check_model_path(plan.model_for(task)), max_length)
+        _check_positions(check_model_path(plan.model_for(task)), max_length, task)
     if output is not None:
         report.check_output(output, overwrite)
     workers = Workers(device)

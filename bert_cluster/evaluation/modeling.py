@@ -13,7 +13,7 @@ import torch
 from bert_cluster.evaluation.errors import UserError, one_line
 
 #: Families whose position ids start after the padding index (fairseq convention): fewer usable positions.
-_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text")
 
 
 def check_model_path(model: str | Path) -> str:

@@ -98,7 +98,7 @@ def _independent_scores(model_dir: Path, data: Path) -> dict[str, Any]:
 def test_default_run_names_the_packaged_model_and_demo_tasks(minilm_dir):
     default = default_run()
     assert Path(default["model"]).resolve() == minilm_dir.resolve()
-    assert default["tasks"] == ["stsb-embedding", "squad-retrieval"]
+    assert default["tasks"] == ["stsb-embedding", "squad-retrieval", "squad-articles-proxy"]
     assert default["clusters"] == [25] and default["mode"] == "i-clustered"
     tasks = load_tasks()
     assert all(name in tasks for name in default["tasks"])
@@ -106,8 +106,12 @@ def test_default_run_names_the_packaged_model_and_demo_tasks(minilm_dir):
 
 def _check(results, independent) -> None:
     assert results.ok, [(t.task, t.error) for t in results.failed]
-    assert [t.task for t in results.tasks] == ["stsb-embedding", "squad-retrieval"]
-    for task in results.tasks:
+    assert [t.task for t in results.tasks] == ["stsb-embedding", "squad-retrieval", "squad-articles-proxy"]
+    # The long task (tests/evaluation/test_long_documents.py checks its scores): here, that it ran on the
+    # slice's one article, on the proxy, and says so.
+    articles = results["squad-articles-proxy"]
+    assert articles.ok and "UNTRAINED proxy" in articles.source and "1 articles" in articles.source
+    for task in results.tasks[:2]:
         unmodified = task.unmodified.scores
         patched = [run for run in task.runs if run.clusters == 25]
         assert len(patched) == 1 and set(patched[0].scores) == set(unmodified)
@@ -130,7 +134,11 @@ def test_demo_end_to_end_through_the_api(mini_data, minilm_dir, tmp_path):
     assert Path(results.settings["model"]).resolve() == minilm_dir.resolve()
     assert results["squad-retrieval"].source.endswith("dev-v1.1.json")
     written = json.loads((tmp_path / "out" / "results.json").read_text(encoding="utf-8"))
-    assert {task["task"] for task in written["tasks"]} == {"stsb-embedding", "squad-retrieval"}
+    assert {task["task"] for task in written["tasks"]} == {
+        "stsb-embedding",
+        "squad-retrieval",
+        "squad-articles-proxy",
+    }
     assert (tmp_path / "out" / "results.md").read_text(encoding="utf-8").count("squad-retrieval") >= 1
 
 
@@ -147,7 +155,7 @@ def test_demo_end_to_end_through_the_cli(mini_data, tmp_path):
     for name in ("stsb-embedding", "squad-retrieval", "R@1", "Spearman"):
         assert name in result.output
     written = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    assert [task["status"] for task in written["tasks"]] == ["ok", "ok"]
+    assert [task["status"] for task in written["tasks"]] == ["ok", "ok", "ok"]
 
 
 # The README's figures: the whole demo (all 1,500 STS-B pairs; all 10,570 SQuAD questions against all
@@ -156,25 +164,38 @@ def test_demo_end_to_end_through_the_cli(mini_data, tmp_path):
 # paths: 62.26 / 86.07 / 72.35 on an AMD EPYC (the README's), 62.24 / 86.09 / 72.34 on an Intel Xeon with
 # AVX-512, with the hand-written encoder of 0.1.0 and with sentence-transformers alike; that is 2 questions
 # of 10,570. The patched SQuAD figures are checked to within 5 questions (0.05 points) of the README's.
+# squad-articles-proxy (16 articles of up to 8,192 tokens on the untrained proxy, 1,000 questions; its
+# patched run has C=200, k=128 at 8,192 tokens): measured on the shared 2-core machine (Intel Xeon,
+# AVX-512), unmodified equal to the earlier encoder's to two decimals; its patched figures are checked to
+# within 5 questions too (0.5 points of 1,000).
 README_FIGURES = {
     "stsb-embedding": ({"spearman": 86.72, "pearson": 86.96}, {"spearman": 86.72, "pearson": 86.96}),
     "squad-retrieval": (
         {"recall@1": 62.51, "recall@5": 86.40, "mrr@10": 72.70},
         {"recall@1": 62.26, "recall@5": 86.07, "mrr@10": 72.35},
     ),
+    "squad-articles-proxy": (
+        {"recall@1": 86.70, "recall@5": 98.40, "mrr@10": 91.72},
+        {"recall@1": 87.10, "recall@5": 98.30, "mrr@10": 91.86},
+    ),
 }
+#: Points that 5 questions are worth in each task's patched figures (STS-B: exact, see above).
+PATCHED_TOLERANCE = {"stsb-embedding": 0.0, "squad-retrieval": 0.05, "squad-articles-proxy": 0.5}
 
 
 @pytest.mark.slow
 def test_the_whole_demo_reproduces_the_readme_figures(tmp_path):
-    """What `bert-cluster evaluate` runs (about 3 minutes on 2 idle cores): unmodified and C=25."""
+    """What `bert-cluster evaluate` runs (under 6 minutes on 2 idle cores): unmodified and C=25."""
     results = bert_cluster.evaluate(output=tmp_path)
     assert results.ok, [(t.task, t.error) for t in results.failed]
     for name, (unmodified, patched) in README_FIGURES.items():
         task = results[name]
-        assert task.source.endswith((".tsv.gz", ".json.gz"))  # the packaged files
-        assert {k: round(v, 2) for k, v in task.runs[0].scores.items()} == unmodified, name
-        tolerance = 0.0 if name == "stsb-embedding" else 0.05
+        assert task.source.split(" ")[0].endswith((".tsv.gz", ".json.gz"))  # the packaged files
+        assert {k: round(task.runs[0].scores[k], 2) for k in unmodified} == unmodified, name
+        tolerance = PATCHED_TOLERANCE[name]
         for metric, value in patched.items():
             assert abs(round(task.runs[1].scores[metric], 2) - value) <= tolerance + 1e-9, (name, metric)
         assert task.runs[1].speedup > 0 and task.runs[1].tokens_per_s > 0
+    long = results["squad-articles-proxy"]
+    assert "UNTRAINED proxy" in long.source and long.examples == 1000 and long.notes["corpus"] == 16
+    assert all(run.scores["max_length"] == 8192 for run in long.runs)

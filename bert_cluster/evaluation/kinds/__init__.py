@@ -10,7 +10,9 @@ an instance with ``register_kind`` at the bottom of the module, and import the m
 this file (the registry holds objects, never module names). ``score`` runs its model passes through
 ``settings.map(function, items, lengths, advance)``: that is what shards the batches across processes,
 times them (speed beside the scores) and gathers the outputs; a kind that runs its own loop still works,
-timed as a whole and in every process.
+timed as a whole and in every process. Optional: ``positions(task, checkpoint_positions)``, the positions
+of the model the kind really scores when it derives one from the checkpoint (``evaluate`` checks
+``--max-length`` against it before any work).
 """
 
 from __future__ import annotations
@@ -157,4 +159,4 @@ def first_n(items: list[Any], limit: int | None) -> list[Any]:
 
 
 # The built-in kinds register themselves on import.
-from bert_cluster.evaluation.kinds import classification, embedding, squad  # noqa: E402, F401
+from bert_cluster.evaluation.kinds import classification, embedding, long_retrieval, squad  # noqa: E402, F401

