@@ -219,10 +219,14 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
   if (!any) return;
   // Take, per lane, the scores >= ge[lane] (all candidates: just above thr), and the first quota[lane] keys
   // (in index order) whose score equals eq[lane]: ties at the k-th best go to the lowest indices.
+  // The smallest float above x, as a bound for `>=`: nothing is above +inf (NaN compares false).
+  auto above = [](float x) {
+    return x == -kNegInf ? std::numeric_limits<float>::quiet_NaN() : std::nextafter(x, -kNegInf);
+  };
   float ge[kLaneCount], eq[kLaneCount];
   int64_t quota[kLaneCount] = {};
   for (int c = 0; c < kLaneCount; ++c) {
-    ge[c] = c < lanes ? std::nextafter(thr[c], -kNegInf) : -kNegInf;
+    ge[c] = c < lanes ? above(thr[c]) : -kNegInf;
     eq[c] = std::numeric_limits<float>::quiet_NaN();  // equal to nothing
   }
   if (many) {
@@ -279,7 +283,7 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
       if (exact[c]) {
         ge[c] = lo[c];
       } else {  // the c_hi keys above lo, then the first k - c_hi keys equal to lo
-        ge[c] = std::nextafter(lo[c], -kNegInf);
+        ge[c] = above(lo[c]);
         eq[c] = lo[c];
         quota[c] = k - c_hi[c];
       }
@@ -305,12 +309,14 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
     while (bits) {
       const int c = __builtin_ctzll(bits);
       bits &= bits - 1;
-      cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+      // At most k per lane by construction (the counts above); the bound keeps a miscount from writing
+      // past the lane's buffer.
+      if (top.ncand[c] < k) cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
     }
     while (tie_bits) {
       const int c = __builtin_ctzll(tie_bits);
       tie_bits &= tie_bits - 1;
-      if (quota[c] > 0) {
+      if (quota[c] > 0 && top.ncand[c] < k) {
         --quota[c];
         cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
       }

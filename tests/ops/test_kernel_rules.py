@@ -182,3 +182,26 @@ def test_odd_head_dims_and_dv_unlike_dk(dk: int, dv: int, backend: str, device: 
     )
     torch.testing.assert_close(got.cpu(), expected, atol=4e-6, rtol=0)
     assert bool((got.cpu()[0] == 0).all())
+
+
+@pytest.mark.parametrize(("backend", "device"), _kernel_backends())
+def test_more_than_k_ties_at_plus_inf_pick_k_keys_like_the_reference(backend, device) -> None:
+    """An inf query makes its centroid score +inf against every key: 200 ties at +inf for k = 5.
+
+    The CPU top-k took every key >= the bound just above +inf, which is +inf itself, and wrote 200
+    candidates into a lane's buffer of k (heap corruption, found as an abort in the property suite).
+    """
+    _require(backend)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 200, 8, generator=generator)
+    k = torch.rand(1, 2, 200, 8, generator=generator) + 0.5  # positive keys: inf * k = +inf
+    v = torch.randn(1, 2, 200, 8, generator=generator)
+    q[0, 0, 10] = math.inf
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    expected = clustered_attention(
+        q, k, v, None, ClusteredAttentionConfig(clusters=4, topk=5, backend="reference")
+    )
+    got = clustered_attention(q, k, v, None, ClusteredAttentionConfig(clusters=4, topk=5, backend=backend))
+    torch.testing.assert_close(
+        got.cpu(), expected.cpu(), equal_nan=True, rtol=1e-5, atol=1e-5
+    )  # measured 0.0
