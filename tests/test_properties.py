@@ -371,11 +371,6 @@ def _poison_case(backend: str, fill: float):
 
 #: Kernel defects found by these tests, for w2 (kernels/) to fix; strict: the test fails once fixed, so
 #: the mark must then go. Measured on the CPU kernels of main @ 4737de0.
-CPU_PADDED_VALUES = (
-    "CPU kernels: centroid_attention's Vc sum (kernels/cpu/sparse.cpp weighted_sum / weighted_sum4) "
-    "multiplies padded values by weight 0, and 0 * nan = nan: nan/inf in a padded value makes every "
-    "valid output of its row nan"
-)
 CPU_NAN_SCORES = (
     "CPU kernels: masked_softmax_row (kernels/cpu/sparse.cpp) decides 'no valid key' from max == -inf "
     "instead of the mask, and max_of skips nan: a nan scaling (or a nan/-inf score row) gives zeros, "
@@ -394,7 +389,7 @@ def with_kernel_bug(reason: str, backends: tuple[str, ...] = ("cpu",)) -> list:
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf])
 @pytest.mark.parametrize("mode", ["i-clustered", "clustered", "i-clustered+"])
-@pytest.mark.parametrize("backend", with_kernel_bug(CPU_PADDED_VALUES))
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
 def test_non_finite_padding_never_reaches_valid_outputs_on_any_backend(backend, mode, fill):
     clean, poisoned, valid = _poison_case(backend, fill)
     config = ClusteredAttentionConfig(clusters=6, topk=5, mode=mode, backend=backend)

@@ -86,7 +86,7 @@ void band_task(const BandJob& job, int64_t task, BandScratch& sc) {
     }
     mask_tile(s, rows, sc.first.data(), sc.last.data(), lane_vectors);
     softmax_tile(s, rows, lanes, lane_vectors, m, z, acc, dvp);
-    const float* vp = float_rows(job.values, job.type, r, h, j0, rows, dv, dvp, dv % 16 == 0, sc.vbuf.data(), &vs);
+    const float* vp = value_rows(job.values, job.type, r, h, j0, rows, dv, ok, sc.vbuf.data(), &vs);
     accumulate_tile(s, vp, vs, rows, lanes, acc, dvp);
   }
   for (int64_t i = 0; i < lanes; ++i) {

@@ -393,6 +393,18 @@ const float* float_rows(const Rows& src, InputType type, int64_t r, int64_t h, i
   return buf;
 }
 
+const float* value_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t dv,
+                        const bool* valid, float* buf, int64_t* stride) {
+  bool padded = false;
+  for (int64_t t = 0; t < rows; ++t) padded |= !valid[j0 + t];
+  const int64_t width = pad16(dv);
+  const float* out = float_rows(src, type, r, h, j0, rows, dv, width, dv % 16 == 0 && !padded, buf, stride);
+  if (padded)  // a padded key's weight is 0, but 0 * nan = nan: its value must not enter the sum at all
+    for (int64_t t = 0; t < rows; ++t)
+      if (!valid[j0 + t]) std::fill(buf + t * width, buf + (t + 1) * width, 0.f);
+  return out;
+}
+
 BC_MULTIVERSION
 void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
                 int lane_vectors, float* s) {

@@ -30,6 +30,11 @@ inline int64_t pad16(int64_t x) { return (x + 15) / 16 * 16; }
 const float* float_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t d,
                         int64_t width, bool in_place_ok, float* buf, int64_t* stride);
 
+// The value rows j0 .. j0 + rows as float32 (like float_rows, width pad16(dv)), with the rows of padded keys
+// (valid[j] false) set to 0 in a copy: a padded value never reaches an output, whatever it holds.
+const float* value_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t dv,
+                        const bool* valid, float* buf, int64_t* stride);
+
 // src (n values of `type`) as float32 into dst.
 void widen_row(InputType type, const void* src, float* dst, int64_t n);
 

@@ -144,7 +144,7 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
     mask_tile(s, rows, sc.first.data(), sc.last.data(), lane_vectors);
     if (k > 0) topk_tile(sc.top, s, rows, j0, lane_vectors);
     softmax_tile(s, rows, lanes, lane_vectors, m, z, acc, dvp);
-    const float* vp = float_rows(job.values, job.type, r, h, j0, rows, dv, dvp, dv % 16 == 0, sc.vbuf.data(), &vs);
+    const float* vp = value_rows(job.values, job.type, r, h, j0, rows, dv, ok, sc.vbuf.data(), &vs);
     accumulate_tile(s, vp, vs, rows, lanes, acc, dvp);
   }
   const bool values_in_place = job.type == InputType::kFloat32;
