@@ -143,27 +143,38 @@ __attribute__((always_inline)) inline u64x8 popcount8(u64x8 x) {
 }
 
 // Assignment: nearest present centroid in Hamming distance, ties to the lowest index; padding gets -1.
-// Eight queries at a time, one centroid at a time: no data-dependent branches. `Pop` counts the bits of
-// each lane (shifts and adds, or AVX-512 VPOPCNTQ where the CPU has it).
+// 32 queries (four vectors of 8) against one centroid at a time, with one key per query: distance in the
+// high word, centroid index in the low word, so that a min keeps the nearest and, among equals, the lowest
+// index (no compares or blends). `Pop` counts the bits of each lane (shifts and adds, or AVX-512 VPOPCNTQ
+// where the CPU has it).
 template <typename Pop>
 __attribute__((always_inline)) inline void assign_body(const uint64_t* __restrict hashes, const bool* __restrict valid,
                                                        int64_t n, const uint64_t* __restrict cent,
                                                        const char* __restrict present, int64_t clusters, uint64_t mask,
                                                        int64_t* __restrict assign, Pop pop) {
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t len = std::min<int64_t>(8, n - i0);
-    u64x8 h = {};
-    std::memcpy(&h, hashes + i0, len * sizeof(uint64_t));
-    u64x8 best_distance = h * 0 + 1000;
-    i64x8 best = (i64x8)(h * 0) - 1;
+  constexpr int kVectors = 4;
+  constexpr int64_t kBlock = 8 * kVectors;
+  constexpr uint64_t kNone = ~0ULL;  // above every key: no present centroid -> -1 below
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min<int64_t>(kBlock, n - i0);
+    u64x8 h[kVectors] = {}, best[kVectors];
+    std::memcpy(h, hashes + i0, len * sizeof(uint64_t));
+    for (int v = 0; v < kVectors; ++v) {
+      h[v] &= mask;
+      best[v] = h[v] * 0 + kNone;
+    }
     for (int64_t c = 0; c < clusters; ++c) {
       if (!present[c]) continue;  // an empty initial slot never wins
-      const u64x8 d = pop((h ^ cent[c]) & mask);
-      const i64x8 closer = (i64x8)(d < best_distance);  // strict: the lowest index wins ties
-      best_distance = closer ? d : best_distance;
-      best = closer ? (best * 0 + c) : best;
+      const uint64_t centroid = cent[c] & mask;
+      for (int v = 0; v < kVectors; ++v) {
+        const u64x8 key = (pop(h[v] ^ centroid) << 32) | static_cast<uint64_t>(c);
+        best[v] = key < best[v] ? key : best[v];
+      }
     }
-    for (int64_t j = 0; j < len; ++j) assign[i0 + j] = valid[i0 + j] ? best[j] : -1;
+    for (int64_t j = 0; j < len; ++j) {
+      const uint64_t key = best[j / 8][j % 8];
+      assign[i0 + j] = valid[i0 + j] && key != kNone ? static_cast<int64_t>(key & 0xFFFFFFFFULL) : -1;
+    }
   }
 }
 
@@ -192,20 +203,29 @@ BC_VPOPCNT_TARGET
 void assign_all_vpopcnt(const uint64_t* __restrict hashes, const bool* __restrict valid, int64_t n,
                         const uint64_t* __restrict cent, const char* __restrict present, int64_t clusters,
                         uint64_t mask, int64_t* __restrict assign) {
-  for (int64_t i0 = 0; i0 < n; i0 += 8) {
-    const int64_t len = std::min<int64_t>(8, n - i0);
-    u64x8 h = {};
-    std::memcpy(&h, hashes + i0, len * sizeof(uint64_t));
-    u64x8 best_distance = h * 0 + 1000;
-    i64x8 best = (i64x8)(h * 0) - 1;
+  constexpr int kVectors = 4;
+  constexpr int64_t kBlock = 8 * kVectors;
+  constexpr uint64_t kNone = ~0ULL;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min<int64_t>(kBlock, n - i0);
+    u64x8 h[kVectors] = {}, best[kVectors];
+    std::memcpy(h, hashes + i0, len * sizeof(uint64_t));
+    for (int v = 0; v < kVectors; ++v) {
+      h[v] &= mask;
+      best[v] = h[v] * 0 + kNone;
+    }
     for (int64_t c = 0; c < clusters; ++c) {
       if (!present[c]) continue;
-      const u64x8 d = (u64x8)_mm512_popcnt_epi64((__m512i)((h ^ cent[c]) & mask));
-      const i64x8 closer = (i64x8)(d < best_distance);
-      best_distance = closer ? d : best_distance;
-      best = closer ? (best * 0 + c) : best;
+      const uint64_t centroid = cent[c] & mask;
+      for (int v = 0; v < kVectors; ++v) {
+        const u64x8 key = ((u64x8)_mm512_popcnt_epi64((__m512i)(h[v] ^ centroid)) << 32) | static_cast<uint64_t>(c);
+        best[v] = key < best[v] ? key : best[v];
+      }
     }
-    for (int64_t j = 0; j < len; ++j) assign[i0 + j] = valid[i0 + j] ? best[j] : -1;
+    for (int64_t j = 0; j < len; ++j) {
+      const uint64_t key = best[j / 8][j % 8];
+      assign[i0 + j] = valid[i0 + j] && key != kNone ? static_cast<int64_t>(key & 0xFFFFFFFFULL) : -1;
+    }
   }
 }
 #endif

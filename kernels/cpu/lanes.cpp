@@ -157,200 +157,106 @@ BC_INLINE void sort_descending(uint64_t* __restrict x, int64_t n, uint64_t* __re
   std::memcpy(x, tmp, n * sizeof(uint64_t));
 }
 
-// Per lane: how many scores of the tile are >= ge[lane] (float compares; -0 and +0 are equal, as in
-// torch.sort).
+// The k largest of x[0..n) into x[0..k) (unordered); returns the k-th largest.
+BC_INLINE uint64_t keep_largest(uint64_t* x, int64_t n, int64_t k) {
+  std::nth_element(x, x + (k - 1), x + n, [](uint64_t a, uint64_t b) { return a > b; });
+  return x[k - 1];
+}
+
+// Per lane: the number of scores above thr[lane].
 template <int LV>
-BC_INLINE void count_at_least(const float* __restrict s, int64_t rows, const float* __restrict ge,
-                              int64_t* __restrict out) {
+BC_INLINE void count_above(const float* __restrict s, int64_t rows, const float* __restrict thr,
+                           int64_t* __restrict count) {
   f32x16 g[LV];
   i32x16 n[LV];
   for (int v = 0; v < LV; ++v) {
-    g[v] = load16(ge + 16 * v);
-    n[v] = i32x16{};
-  }
-  for (int64_t t = 0; t < rows; ++t)
-    for (int v = 0; v < LV; ++v) n[v] -= (i32x16)(load16(s + t * kLaneCount + 16 * v) >= g[v]);
-  for (int v = 0; v < LV; ++v)
-    for (int j = 0; j < 16; ++j) out[16 * v + j] = n[v][j];
-}
-
-// Per lane: the number of scores above thr[lane] (the candidates), and the smallest and largest of them.
-template <int LV>
-BC_INLINE void candidates(const float* __restrict s, int64_t rows, const float* __restrict thr,
-                          int64_t* __restrict count, float* __restrict lo, float* __restrict hi) {
-  f32x16 g[LV], mn[LV], mx[LV];
-  i32x16 n[LV];
-  for (int v = 0; v < LV; ++v) {
     g[v] = load16(thr + 16 * v);
-    mn[v] = f32x16{} - kNegInf;
-    mx[v] = f32x16{} + kNegInf;
     n[v] = i32x16{};
   }
   for (int64_t t = 0; t < rows; ++t)
-    for (int v = 0; v < LV; ++v) {
-      const f32x16 x = load16(s + t * kLaneCount + 16 * v);
-      const i32x16 in = (i32x16)(x > g[v]);
-      n[v] -= in;
-      mn[v] = in & (i32x16)(x < mn[v]) ? x : mn[v];
-      mx[v] = in & (i32x16)(x > mx[v]) ? x : mx[v];
-    }
+    for (int v = 0; v < LV; ++v) n[v] -= (i32x16)(load16(s + t * kLaneCount + 16 * v) > g[v]);
   for (int v = 0; v < LV; ++v)
-    for (int j = 0; j < 16; ++j) {
-      count[16 * v + j] = n[v][j];
-      lo[16 * v + j] = mn[v][j];
-      hi[16 * v + j] = mx[v][j];
-    }
+    for (int j = 0; j < 16; ++j) count[16 * v + j] = n[v][j];
 }
 
-// Merge the candidates of one tile (scores s, keys j0 + t) into each lane's top-k list.
+// Per lane, a score that k distinct keys of the tile reach (so that a key below it is not among the k best):
+// the smallest of the maxima of k groups of rows / k rows. Used on a task's first tile, which would
+// otherwise put every key into the buffers.
+template <int LV>
+BC_INLINE void kth_lower_bound(const float* __restrict s, int64_t rows, int64_t k, float* __restrict bound) {
+  const int64_t g = rows / k;
+  f32x16 low[LV];
+  for (int v = 0; v < LV; ++v) low[v] = f32x16{} - kNegInf;
+  for (int64_t group = 0; group < k; ++group) {
+    f32x16 high[LV];
+    for (int v = 0; v < LV; ++v) high[v] = f32x16{} + kNegInf;
+    for (int64_t t = group * g; t < (group + 1) * g; ++t)
+      for (int v = 0; v < LV; ++v) {
+        const f32x16 x = load16(s + t * kLaneCount + 16 * v);
+        high[v] = x > high[v] ? x : high[v];
+      }
+    for (int v = 0; v < LV; ++v) low[v] = high[v] < low[v] ? high[v] : low[v];
+  }
+  for (int v = 0; v < LV; ++v) store16(bound + 16 * v, low[v]);
+}
+
 template <int LV>
 BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
   const int64_t lanes = top.lanes, k = top.k;
   float thr[kLaneCount];
   for (int c = 0; c < kLaneCount; ++c) thr[c] = c < lanes ? top.thr[c] : -kNegInf;  // unused lanes: none
+  const bool first_tile = !top.started;
+  top.started = true;
+  if (first_tile && rows >= 2 * k) {
+    float bound[kLaneCount];
+    kth_lower_bound<LV>(s, rows, k, bound);
+    for (int c = 0; c < lanes; ++c) thr[c] = std::nextafter(bound[c], kNegInf);  // x > thr: x >= bound
+  }
   int64_t cnt[kLaneCount];
-  float cmin[kLaneCount], cmax[kLaneCount];
-  candidates<LV>(s, rows, thr, cnt, cmin, cmax);
-  bool any = false, many = false;
+  count_above<LV>(s, rows, thr, cnt);
+  bool any = false;
   for (int c = 0; c < lanes; ++c) {
-    any |= cnt[c] > 0;
-    many |= cnt[c] > k;
+    if (cnt[c] == 0) continue;
+    any = true;
+    if (top.count[c] + cnt[c] > top.capacity) {  // only when count > k, since cnt <= rows = capacity - k
+      uint64_t* x = top.keys.data() + c * top.capacity;
+      thr[c] = top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k));
+      top.count[c] = k;
+    }
   }
   if (!any) return;
-  // Take, per lane, the scores >= ge[lane] (all candidates: just above thr), and the first quota[lane] keys
-  // (in index order) whose score equals eq[lane]: ties at the k-th best go to the lowest indices.
-  // The smallest float above x, as a bound for `>=`: nothing is above +inf (NaN compares false).
-  auto above = [](float x) {
-    return x == -kNegInf ? std::numeric_limits<float>::quiet_NaN() : std::nextafter(x, -kNegInf);
-  };
-  float ge[kLaneCount], eq[kLaneCount];
-  int64_t quota[kLaneCount] = {};
-  for (int c = 0; c < kLaneCount; ++c) {
-    ge[c] = c < lanes ? above(thr[c]) : -kNegInf;
-    eq[c] = std::numeric_limits<float>::quiet_NaN();  // equal to nothing
-  }
-  if (many) {
-    // Lanes with more than k candidates: bisection on the score for the k-th best, t. Invariants:
-    // count(>= lo) >= k > count(>= hi) = c_hi; first test hi = the largest candidate.
-    float lo[kLaneCount], hi[kLaneCount], mid[kLaneCount];
-    int64_t c_hi[kLaneCount], got[kLaneCount];
-    bool active[kLaneCount], exact[kLaneCount], hi_known[kLaneCount];
-    for (int c = 0; c < kLaneCount; ++c) {
-      active[c] = c < lanes && cnt[c] > k;
-      exact[c] = hi_known[c] = false;
-      lo[c] = cmin[c];
-      hi[c] = cmax[c];
-      c_hi[c] = 0;
-    }
-    for (;;) {
-      bool more = false;
-      for (int c = 0; c < kLaneCount; ++c) {
-        if (active[c] && hi_known[c]) {
-          float m = 0.5f * lo[c] + 0.5f * hi[c];
-          if (!(m > lo[c] && m < hi[c])) m = std::nextafter(lo[c], hi[c]);
-          if (!(m < hi[c])) {
-            active[c] = false;  // no float between lo and hi: every key in [lo, hi) equals lo
-          } else {
-            mid[c] = m;
-          }
-        } else if (active[c]) {
-          mid[c] = hi[c];  // first step: the largest candidate
-        }
-        more |= active[c];
-        if (!active[c]) mid[c] = -kNegInf;
-      }
-      if (!more) break;
-      count_at_least<LV>(s, rows, mid, got);
-      for (int c = 0; c < kLaneCount; ++c) {
-        if (!active[c]) continue;
-        if (got[c] == k) {  // exactly k at or above mid: take them all, no tie to break
-          lo[c] = mid[c];
-          exact[c] = true;
-          active[c] = false;
-        } else if (got[c] > k) {
-          lo[c] = mid[c];
-          if (!hi_known[c]) active[c] = false;  // more than k equal to the largest: ties at lo = max
-          hi_known[c] = true;
-        } else {
-          hi[c] = mid[c];
-          c_hi[c] = got[c];
-          hi_known[c] = true;
-        }
-      }
-    }
-    for (int c = 0; c < lanes; ++c) {
-      if (cnt[c] <= k) continue;
-      if (exact[c]) {
-        ge[c] = lo[c];
-      } else {  // the c_hi keys above lo, then the first k - c_hi keys equal to lo
-        ge[c] = above(lo[c]);
-        eq[c] = lo[c];
-        quota[c] = k - c_hi[c];
-      }
-    }
-  }
-  // Extraction in key order.
-  for (int c = 0; c < kLaneCount; ++c) top.ncand[c] = 0;
-  f32x16 g[LV], e[LV];
-  for (int v = 0; v < LV; ++v) {
-    g[v] = load16(ge + 16 * v);
-    e[v] = load16(eq + 16 * v);
-  }
-  bool ties = false;
-  for (int c = 0; c < lanes; ++c) ties |= quota[c] > 0;
-  uint64_t* cand = top.cand.data();
+  f32x16 g[LV];
+  for (int v = 0; v < LV; ++v) g[v] = load16(thr + 16 * v);
+  uint64_t* keys = top.keys.data();
+  const int64_t capacity = top.capacity;
   for (int64_t t = 0; t < rows; ++t) {
-    uint64_t bits = 0, tie_bits = 0;
-    for (int v = 0; v < LV; ++v) {
-      const f32x16 x = load16(s + t * kLaneCount + 16 * v);
-      bits |= static_cast<uint64_t>(lane_bits((i32x16)(x >= g[v]))) << (16 * v);
-      if (ties) tie_bits |= static_cast<uint64_t>(lane_bits((i32x16)(x == e[v]))) << (16 * v);
-    }
+    uint64_t bits = 0;
+    for (int v = 0; v < LV; ++v)
+      bits |= static_cast<uint64_t>(lane_bits((i32x16)(load16(s + t * kLaneCount + 16 * v) > g[v]))) << (16 * v);
     while (bits) {
       const int c = __builtin_ctzll(bits);
       bits &= bits - 1;
-      // At most k per lane by construction (the counts above); the bound keeps a miscount from writing
-      // past the lane's buffer.
-      if (top.ncand[c] < k) cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+      // Fits by the counts above (a raised threshold only takes fewer); the bound guards a miscount.
+      if (top.count[c] < capacity)
+        keys[c * capacity + top.count[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
     }
-    while (tie_bits) {
-      const int c = __builtin_ctzll(tie_bits);
-      tie_bits &= tie_bits - 1;
-      if (quota[c] > 0 && top.ncand[c] < k) {
-        --quota[c];
-        cand[c * k + top.ncand[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+  }
+  if (first_tile)  // a threshold for the next tiles at once
+    for (int c = 0; c < lanes; ++c)
+      if (top.count[c] > k) {
+        top.thr[c] = LaneTopK::score_of(keep_largest(top.keys.data() + c * capacity, top.count[c], k));
+        top.count[c] = k;
       }
-    }
-  }
-  // Sort each lane's candidates and merge them behind its list (list keys have lower indices).
-  for (int c = 0; c < lanes; ++c) {
-    const int64_t n = top.ncand[c];
-    if (n == 0) continue;
-    uint64_t* x = cand + c * k;
-    sort_descending(x, n, top.merged.data());
-    uint64_t* l = top.list.data() + c * k;
-    const int64_t have = top.count[c];
-    const int64_t total = std::min(k, have + n);
-    uint64_t* out = top.merged.data();
-    int64_t a = 0, b = 0;
-    for (int64_t o = 0; o < total; ++o) out[o] = (b >= n || (a < have && l[a] > x[b])) ? l[a++] : x[b++];
-    std::memcpy(l, out, total * sizeof(uint64_t));
-    top.count[c] = total;
-    if (total == k) top.thr[c] = LaneTopK::score_of(l[k - 1]);
-  }
 }
 
 template <int LV>
 BC_INLINE void mask_lanes(float* __restrict s, int64_t rows, const int32_t* __restrict first,
                           const int32_t* __restrict last) {
-  i32x16 lane[LV];
-  for (int v = 0; v < LV; ++v)
-    for (int j = 0; j < 16; ++j) lane[v][j] = 16 * v + j;
   const f32x16 neg_inf = f32x16{} + kNegInf;
   for (int64_t t = 0; t < rows; ++t)
     for (int v = 0; v < LV; ++v) {
       float* p = s + t * kLaneCount + 16 * v;
-      const i32x16 keep = (lane[v] >= first[t]) & (lane[v] <= last[t]);
+      const i32x16 keep = first_lanes(last[t] + 1 - 16 * v) & ~first_lanes(first[t] - 16 * v);
       store16(p, keep ? load16(p) : neg_inf);
     }
 }
@@ -473,12 +379,51 @@ void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out
   for (; i < n; ++i) out[i] = fast_exp(x[i] - shift) * scale;
 }
 
+// kt (dk x kvp) = rows[0..kv) (dk floats each) transposed, zero-padded to kvp = pad16(kv) columns, in
+// 16 x 16 register blocks.
+BC_MULTIVERSION
+void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __restrict kt) {
+  const int64_t kvp = pad16(kv);
+  float part[16];
+  for (int64_t jb = 0; jb < kvp; jb += 16) {
+    for (int64_t db = 0; db < dk; db += 16) {
+      const int64_t width = std::min<int64_t>(16, dk - db);
+      f32x16 block[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        if (jb + jj >= kv) {
+          block[jj] = f32x16{};
+        } else if (width == 16) {
+          block[jj] = load16(rows[jb + jj] + db);
+        } else {
+          std::fill(part, part + 16, 0.f);
+          std::copy(rows[jb + jj] + db, rows[jb + jj] + db + width, part);
+          block[jj] = load16(part);
+        }
+      }
+      transpose16(block);
+      for (int64_t dd = 0; dd < width; ++dd) store16(kt + (db + dd) * kvp + jb, block[dd]);
+    }
+  }
+}
+
 BC_MULTIVERSION
 void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors) {
   if (lane_vectors == 1) {
     topk_lanes<1>(top, s, rows, j0);
   } else {
     topk_lanes<2>(top, s, rows, j0);
+  }
+}
+
+BC_MULTIVERSION
+void topk_finish(LaneTopK& top) {
+  for (int64_t c = 0; c < top.lanes; ++c) {
+    uint64_t* x = top.keys.data() + c * top.capacity;
+    if (top.count[c] > top.k) {
+      keep_largest(x, top.count[c], top.k);
+      top.count[c] = top.k;
+    }
+    sort_descending(x, top.count[c], top.sort_tmp.data());
   }
 }
 

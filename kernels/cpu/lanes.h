@@ -61,28 +61,41 @@ void weighted_rows(const float* w, const float* const* rows, int64_t count, int6
 // out[i] = e^(x[i] - shift) * scale for i < n
 void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out);
 
+// kt (dk x pad16(kv)) = rows[0..kv) (dk floats each) transposed, zero-padded, in 16 x 16 register blocks.
+void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* kt);
+
 // The k best keys of each lane by (score desc, key index asc), over tiles seen in key order. A key with
-// score -inf is never picked (as in the reference). Lists hold composite keys (order key of the score in
-// the high word, ~index in the low word): sorting them descending sorts by score desc, then index asc.
+// score -inf is never picked (as in the reference). Keys are composites (order key of the score in the
+// high word, ~index in the low word), all distinct: descending composite order is score desc, then index
+// asc, so the answer does not depend on the order keys arrive in. Each lane appends the keys above its
+// threshold to an unordered buffer of k + kKeyTile; when a tile's candidates would not fit, a linear-time
+// selection keeps the k best and raises the threshold to the k-th best's score (a later key with that
+// score has a larger index and loses the tie). A task's first tile only admits keys that reach the
+// smallest of the maxima of k groups of its rows (k distinct keys reach it). `finish` sorts each lane's
+// k best once.
 struct LaneTopK {
   int64_t k = 0;
   int64_t lanes = 0;
-  std::vector<uint64_t> list, cand, merged;  // lanes x k, lanes x k, 2k
+  int64_t capacity = 0;         // per lane: k + kKeyTile
+  std::vector<uint64_t> keys;   // lanes x capacity; after finish(), each lane's list, descending
+  std::vector<uint64_t> sort_tmp;
   int64_t count[kLaneCount] = {};
-  int64_t ncand[kLaneCount] = {};
-  float thr[kLaneCount] = {};  // a key enters a lane only with a score above this (the k-th best's, when full)
+  float thr[kLaneCount] = {};  // a key enters a lane only with a score above this
+  bool started = false;        // a tile was seen (the first one gets a lower bound of its own)
 
   void reset(int64_t k_, int64_t lanes_) {
     k = k_;
     lanes = lanes_;
-    list.resize(k * kLaneCount);
-    cand.resize(k * kLaneCount);
-    merged.resize(2 * k);
+    capacity = k + kKeyTile;
+    keys.resize(capacity * kLaneCount);
+    sort_tmp.resize(64);
+    started = false;
     for (int c = 0; c < kLaneCount; ++c) {
       count[c] = 0;
       thr[c] = kNegInf;
     }
   }
+  const uint64_t* list(int64_t lane) const { return keys.data() + lane * capacity; }
 
   static uint64_t composite(float score, int64_t index) {
     const int32_t key = order_key(score + 0.0f);  // -0 -> +0: equal scores get equal keys
@@ -93,7 +106,10 @@ struct LaneTopK {
   static float score_of(uint64_t c) { return from_order_key(static_cast<int32_t>((c >> 32) ^ 0x80000000u)); }
 };
 
-// Merge the candidates of one tile (scores s, keys j0 + t) into each lane's top-k list.
+// Add the candidates of one tile (scores s, keys j0 + t) to each lane's buffer.
 void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors);
+
+// Each lane's min(k, seen) best keys, sorted descending, at top.list(lane); top.count[lane] their number.
+void topk_finish(LaneTopK& top);
 
 }  // namespace bert_cluster

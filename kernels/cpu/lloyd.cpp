@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "lanes.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -111,7 +112,7 @@ void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict
 void lloyd_one(const float* __restrict q, int64_t n, int64_t dk, int64_t clusters, int64_t iterations,
                int64_t* __restrict assign, float* __restrict means, float* __restrict counts) {
   std::vector<float> sums(clusters * dk, 0.f), next(clusters * dk), next_counts(clusters), bias(clusters),
-      qt(dk * kChunk), upper(n), lower(n), qnorm(n), moved(clusters, 0.f);
+      qt(dk * kChunk), zeros(dk, 0.f), upper(n), lower(n), qnorm(n), moved(clusters, 0.f);
   int64_t todo[kChunk], best[kChunk];
   float first[kChunk], second[kChunk];
   float farthest = 0.f;
@@ -135,9 +136,9 @@ void lloyd_one(const float* __restrict q, int64_t n, int64_t dk, int64_t cluster
     std::fill(next.begin(), next.end(), 0.f);
     std::fill(next_counts.begin(), next_counts.end(), 0.f);
     auto flush = [&]() {
-      std::fill(qt.begin(), qt.end(), 0.f);
-      for (int64_t j = 0; j < count; ++j)
-        for (int64_t d = 0; d < dk; ++d) qt[d * kChunk + j] = q[todo[j] * dk + d];
+      const float* rows[kChunk];
+      for (int64_t j = 0; j < kChunk; ++j) rows[j] = j < count ? q + todo[j] * dk : zeros.data();
+      transpose_rows(rows, kChunk, dk, qt.data());
       nearest_two(qt.data(), dk, means, bias.data(), clusters, best, first, second);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t i = todo[j];

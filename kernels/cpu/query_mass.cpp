@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "../checks.h"
+#include "lanes.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -40,12 +42,13 @@ struct Cluster {
 // R(x) = s x . (mu + s / 2 var x) = s x . mu + s^2 / 2 x^2 . var, with half_var = s / 2 var.
 BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
                           int64_t dk, float scaling) {
-  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  f32x16 acc = {};
   int64_t d = 0;
-  for (; d + 16 <= dk; d += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += x[d + j] * (mean[d + j] + half_var[d + j] * x[d + j]);
-  float sum = 0.f;
-  for (int j = 0; j < 16; ++j) sum += acc[j];
+  for (; d + 16 <= dk; d += 16) {
+    const f32x16 v = load16(x + d);
+    acc += v * (load16(mean + d) + load16(half_var + d) * v);
+  }
+  float sum = hsum(acc);
   for (; d < dk; ++d) sum += x[d] * (mean[d] + half_var[d] * x[d]);
   return scaling * sum;
 }
@@ -82,19 +85,17 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
     }
   }
   float rest[M];
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kp;
     const float mx = max_of(sm, kv);
     f32x16 acc = {};
     for (int64_t c0 = 0; c0 < kp; c0 += kLanes) {
       f32x16 e = fast_exp16(load16(sm + c0) - mx);
-      e = lane + static_cast<float>(c0) < static_cast<float>(kv) ? e : f32x16{};  // padding lanes: 0
+      e = first_lanes(kv - c0) ? e : f32x16{};  // padding lanes: 0
       acc += e;
       store16(sm + c0, e);
     }
-    float sum = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum += acc[j];
+    const float sum = hsum(acc);
     // rho_i = other / sum with other = exp(log_base + R(q_i) - mx), as Z_T(q_i) = sum e^mx. Then
     // m_i / sum = 1 / (sum + other) scales the exps, and 1 - m_i = other / (sum + other).
     const float other = std::exp(log_base + rest_logz(q[m], key_mean, half_var, dk, scaling) - mx);
@@ -137,16 +138,55 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
     for (int m = 0; m < M; ++m) std::copy(row + m * dvp, row + m * dvp + dv, out[m]);
 }
 
+// refine_block for `count` (1..8) members: every block size has its own instance, so that a cluster's last,
+// partial block keeps its members together.
 BC_MULTIVERSION
-void refine_four(const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv, float scaling,
-                 float* scores, float* row) {
-  refine_block<4>(q, out, c, dk, dv, scaling, scores, row);
+void refine_members(int count, const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv,
+                    float scaling, float* scores, float* row) {
+  switch (count) {
+    case 8: refine_block<8>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 7: refine_block<7>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 6: refine_block<6>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 5: refine_block<5>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 4: refine_block<4>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 3: refine_block<3>(q, out, c, dk, dv, scaling, scores, row); break;
+    case 2: refine_block<2>(q, out, c, dk, dv, scaling, scores, row); break;
+    default: refine_block<1>(q, out, c, dk, dv, scaling, scores, row);
+  }
 }
 
+// One cluster's top-k keys: kt (dk x kvp) their rows transposed, vt (kv x dvp) their values, key_mean and
+// half_var (which hold the sums over every valid key) less theirs, top_score (kvp) their scaled scores
+// against the centroid. Returns the largest score. (A function of its own, so that it gets the ISA clones.)
 BC_MULTIVERSION
-void refine_one(const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv, float scaling,
-                float* scores, float* row) {
-  refine_block<1>(q, out, c, dk, dv, scaling, scores, row);
+float gather_top_keys(const float* __restrict keys, const float* __restrict values, const int64_t* __restrict slot,
+                      int64_t kv, int64_t dk, int64_t dv, int64_t kvp, int64_t dvp, const float* __restrict centroid,
+                      float scale, const float** rows, float* __restrict kt, float* __restrict vt,
+                      float* __restrict key_mean, float* __restrict half_var, float* __restrict top_score) {
+  for (int64_t j = 0; j < kv; ++j) {
+    rows[j] = keys + slot[j] * dk;
+    std::memcpy(vt + j * dvp, values + slot[j] * dv, dv * sizeof(float));
+  }
+  transpose_rows(rows, kv, dk, kt);  // zero columns past kv: they add nothing below
+  for (int64_t d = 0; d < dk; ++d) {
+    f32x16 sum = {}, squares = {};
+    for (int64_t c0 = 0; c0 < kvp; c0 += kLanes) {
+      const f32x16 x = load16(kt + d * kvp + c0);
+      sum += x;
+      squares += x * x;
+    }
+    key_mean[d] -= hsum(sum);
+    half_var[d] -= hsum(squares);
+  }
+  f32x16 top = f32x16{} + kNegInf;
+  for (int64_t c0 = 0; c0 < kvp; c0 += kLanes) {
+    f32x16 acc = {};
+    for (int64_t d = 0; d < dk; ++d) acc += centroid[d] * load16(kt + d * kvp + c0);
+    acc *= scale;
+    store16(top_score + c0, acc);
+    top = first_lanes(kv - c0) & (acc > top) ? acc : top;
+  }
+  return hmax(top);
 }
 
 // sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows of dk).
@@ -202,8 +242,9 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   const float scale = static_cast<float>(scaling);
   const int64_t kp = round_up(k), dvp = round_up(dv);
   parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(dk * kp), vt(k * dvp), scores(4 * kp), row(4 * dvp), rest_mean(dvp), key_sum(dk),
-        square_sum(dk), key_mean(dk), half_var(dk), top_score(k);
+    std::vector<float> kt(dk * kp), vt(k * dvp), scores(8 * kp), row(8 * dvp), rest_mean(dvp), key_sum(dk),
+        square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
+    std::vector<const float*> key_rows(k);
     std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / heads;
@@ -251,18 +292,9 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
         std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
         std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
         std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
-        float top_max = -kInf;
-        for (int64_t j = 0; j < kv; ++j) {
-          const float* key = kp_ + (rh * n + slot[j]) * dk;
-          for (int64_t d = 0; d < dk; ++d) {
-            kt[d * kvp + j] = key[d];
-            key_mean[d] -= key[d];
-            half_var[d] -= key[d] * key[d];
-          }
-          std::copy(vp + (rh * n + slot[j]) * dv, vp + (rh * n + slot[j] + 1) * dv, vt.begin() + j * dvp);
-          top_score[j] = scale * dot(centroid, key, dk);
-          top_max = std::max(top_max, top_score[j]);
-        }
+        const float top_max =
+            gather_top_keys(kp_ + rh * n * dk, vp + rh * n * dv, slot.data(), kv, dk, dv, kvp, dvp, centroid, scale,
+                            key_rows.data(), kt.data(), vt.data(), key_mean.data(), half_var.data(), top_score.data());
         float top_sum = 0.f;
         for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
         const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
@@ -287,18 +319,15 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
         }
         const Cluster cluster{kt.data(), vt.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
         const float* qh = qp + rh * n * dk;
-        int64_t j = 0;
-        for (; j + 4 <= members; j += 4) {
-          const float* qs[4] = {qh + member[j] * dk, qh + member[j + 1] * dk, qh + member[j + 2] * dk,
-                                qh + member[j + 3] * dk};
-          float* os[4] = {orow + member[j] * dv, orow + member[j + 1] * dv, orow + member[j + 2] * dv,
-                          orow + member[j + 3] * dv};
-          refine_four(qs, os, cluster, dk, dv, scale, scores.data(), row.data());
-        }
-        for (; j < members; ++j) {
-          const float* qs[1] = {qh + member[j] * dk};
-          float* os[1] = {orow + member[j] * dv};
-          refine_one(qs, os, cluster, dk, dv, scale, scores.data(), row.data());
+        for (int64_t j = 0; j < members; j += 8) {
+          const int count = static_cast<int>(std::min<int64_t>(8, members - j));
+          const float* qs[8];
+          float* os[8];
+          for (int b = 0; b < count; ++b) {
+            qs[b] = qh + member[j + b] * dk;
+            os[b] = orow + member[j + b] * dv;
+          }
+          refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());
         }
       }
     }

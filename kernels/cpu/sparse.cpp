@@ -3,7 +3,7 @@
 // for the rules reproduced.
 //
 // centroid_attention: one task per (row, head, 32 clusters): the clusters are the vector lanes (lanes.h),
-// scores, online softmax, top-k (bisection over the lanes, then merges) and Vc over tiles of 256 keys,
+// scores, online softmax, top-k (per-lane candidate buffers, a linear selection when one fills) and Vc over tiles of 256 keys,
 // with no (C, N) matrix in memory. topk_refine: one task per (row, head): queries sorted by cluster, each
 // cluster's top-k keys transposed once (16 x 16 register transposes) and every member scored against them
 // as a small dense block, four members at a time.
@@ -137,16 +137,19 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
     int64_t ks = 0, vs = 0;
     const float* kp = float_rows(job.keys, job.type, r, h, j0, rows, dk, dk, true, sc.kbuf.data(), &ks);
     score_tile(qt, kp, ks, rows, dk, job.scaling, lane_vectors, s);
-    for (int64_t t = 0; t < rows; ++t) {  // padded keys, and lanes past the last cluster: no weight
+    bool masked = lanes < 16 * lane_vectors;  // padded keys, and lanes past the last cluster: no weight
+    for (int64_t t = 0; t < rows; ++t) {
       sc.first[t] = 0;
       sc.last[t] = ok[j0 + t] ? static_cast<int32_t>(lanes - 1) : -1;
+      masked |= !ok[j0 + t];
     }
-    mask_tile(s, rows, sc.first.data(), sc.last.data(), lane_vectors);
+    if (masked) mask_tile(s, rows, sc.first.data(), sc.last.data(), lane_vectors);
     if (k > 0) topk_tile(sc.top, s, rows, j0, lane_vectors);
     softmax_tile(s, rows, lanes, lane_vectors, m, z, acc, dvp);
     const float* vp = value_rows(job.values, job.type, r, h, j0, rows, dv, ok, sc.vbuf.data(), &vs);
     accumulate_tile(s, vp, vs, rows, lanes, acc, dvp);
   }
+  if (k > 0) topk_finish(sc.top);
   const bool values_in_place = job.type == InputType::kFloat32;
   for (int64_t c = 0; c < lanes; ++c) {
     const int64_t row = rh * job.clusters + c0 + c;
@@ -157,7 +160,7 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
     int64_t* idx = job.indices + row * k;
     std::fill(idx, idx + k, -1);
     const int64_t count = sc.top.count[c];
-    const uint64_t* list = sc.top.list.data() + c * k;
+    const uint64_t* list = sc.top.list(c);
     for (int64_t j = 0; j < count; ++j) sc.scores[j] = LaneTopK::score_of(list[j]);
     exp_shifted(sc.scores.data(), count, m[c], inv, sc.weights.data());
     float mass = 0.f;
@@ -220,33 +223,6 @@ struct RefineScratch {
         order(std::max<int64_t>(n, 1)) {}
 };
 
-// kt (dk x kvp) = rows[0..kv) (dk floats each) transposed, zero-padded to kvp = pad16(kv) columns, in
-// 16 x 16 register blocks.
-BC_MULTIVERSION
-void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __restrict kt) {
-  const int64_t kvp = pad16(kv);
-  float part[16];
-  for (int64_t jb = 0; jb < kvp; jb += 16) {
-    for (int64_t db = 0; db < dk; db += 16) {
-      const int64_t width = std::min<int64_t>(16, dk - db);
-      f32x16 block[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        if (jb + jj >= kv) {
-          block[jj] = f32x16{};
-        } else if (width == 16) {
-          block[jj] = load16(rows[jb + jj] + db);
-        } else {
-          std::fill(part, part + 16, 0.f);
-          std::copy(rows[jb + jj] + db, rows[jb + jj] + db + width, part);
-          block[jj] = load16(part);
-        }
-      }
-      transpose16(block);
-      for (int64_t dd = 0; dd < width; ++dd) store16(kt + (db + dd) * kvp + jb, block[dd]);
-    }
-  }
-}
-
 // M (<= 8) members (query rows q[0..M)) against their cluster's kv keys: out rows = base + mass *
 // softmax(q K^T * scaling) V. kt: (dk x kvp) transposed keys; vrows: the kv value rows (dvp floats readable
 // each). Each key vector (scores) and value vector (outputs) is loaded once for the M members; 2M
@@ -284,19 +260,18 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, i
     }
     for (int m = 0; m < M; ++m) store16(scores + m * kvp + c, a[m] * scaling);
   }
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
     f32x16 mx = f32x16{} + kNegInf;
     for (int64_t j = 0; j < kvp; j += 16) {
       const f32x16 x = load16(sm + j);
-      mx = (lane + static_cast<float>(j) < static_cast<float>(kv)) & (x > mx) ? x : mx;
+      mx = first_lanes(kv - j) & (x > mx) ? x : mx;
     }
     const float top = hmax(mx);
     f32x16 acc = {};
     for (int64_t j = 0; j < kvp; j += 16) {
       f32x16 e = fast_exp16(load16(sm + j) - top);
-      e = lane + static_cast<float>(j) < static_cast<float>(kv) ? e : f32x16{};  // padding slots: no weight
+      e = first_lanes(kv - j) ? e : f32x16{};  // padding slots: no weight
       acc += e;
       store16(sm + j, e);
     }

@@ -186,6 +186,17 @@ BC_INLINE void widen(const T* __restrict src, float* __restrict dst, int64_t n) 
   }
 }
 
+// -1 in the first n lanes (n clamped to 0..16), 0 in the others, read from a table: GCC turns a compare of
+// a constant lane-number vector with a scalar into 16 scalar compares, which dominated the loops using it.
+BC_INLINE i32x16 first_lanes(int64_t n) {
+  alignas(64) static const int32_t kTable[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                 0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
+  n = n < 0 ? 0 : (n > 16 ? 16 : n);
+  i32x16 m;
+  std::memcpy(&m, kTable + 16 - n, sizeof(m));
+  return m;
+}
+
 // The lanes of a comparison result (-1 / 0 per lane) as a 16-bit mask, lane i -> bit i.
 BC_INLINE uint32_t lane_bits(i32x16 mask) {
   const i32x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
