@@ -355,6 +355,7 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   std::vector<uint8_t> small(clusters * 64);
   std::vector<int32_t> pending(clusters);
   std::vector<int64_t> members(clusters);
+  bool settled = false;  // `assign` is already the assignment to the final centroids
   for (int64_t it = 0; it < iterations; ++it) {
     assign_all(hashes, valid, n, cent.data(), present.data(), clusters, mask, assign);
     std::fill(ones.begin(), ones.end(), 0u);
@@ -362,10 +363,14 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
     count_bits(hashes, assign, n, clusters, ones.data(), members.data(), small.data(), pending.data());
     // Majority vote per bit; a tied vote (including an empty cluster: 0 == 0) keeps the old bit.
     const bool changed = majority_update(ones.data(), members.data(), clusters, mask, cent.data());
-    // A fixed point: the remaining rounds would reassign and re-vote to exactly the same values.
-    if (!changed) break;
+    // A fixed point: the remaining rounds would reassign and re-vote to exactly the same values, and the
+    // final assignment would repeat this round's.
+    if (!changed) {
+      settled = true;
+      break;
+    }
   }
-  assign_all(hashes, valid, n, cent.data(), present.data(), clusters, mask, assign);
+  if (!settled) assign_all(hashes, valid, n, cent.data(), present.data(), clusters, mask, assign);
   for (int64_t c = 0; c < clusters; ++c) centroids[c] = static_cast<int64_t>(cent[c]);
 }
 

@@ -133,34 +133,93 @@ BC_INLINE void softmax_lanes(float* __restrict s, int64_t rows, int64_t lanes, f
     for (int j = 0; j < 16; ++j) z[16 * v + j] += sum[v][j];
 }
 
-// Sort n (<= 64) distinct composite keys descending by rank counting (branch-free, 8 keys per compare),
-// else std::sort.
+// Distinct composite keys ranked by counting (branch-free, 8 keys per compare, n * n / 8 compares): the `keep`
+// largest of x[0..n), descending, into out[0..keep).
+constexpr int64_t kRankMax = 256;
+
+BC_INLINE void rank_largest(const uint64_t* __restrict x, int64_t n, int64_t keep, uint64_t* __restrict out) {
+  constexpr int kBlocks = 4;  // 32 keys ranked per pass over x
+  for (int64_t b0 = 0; b0 < n; b0 += 8 * kBlocks) {
+    u64x8 v[kBlocks];
+    i64x8 above[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) {
+      const int64_t first = b0 + 8 * b;
+      v[b] = u64x8{};  // padding keys are 0: below every real key (whose low word is ~index >= 1)
+      if (first < n) std::memcpy(&v[b], x + first, std::min<int64_t>(8, n - first) * sizeof(uint64_t));
+      above[b] = i64x8{};
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const u64x8 key = u64x8{} + x[i];
+      for (int b = 0; b < kBlocks; ++b) above[b] -= (i64x8)(key > v[b]);
+    }
+    for (int b = 0; b < kBlocks; ++b)
+      for (int j = 0; j < 8; ++j) {
+        const int64_t i = b0 + 8 * b + j, rank = above[b][j];
+        if (i < n && rank < keep) out[rank] = x[i];
+      }
+  }
+}
+
+// Sort n distinct composite keys descending: by rank counting up to kRankMax keys (tmp: n slots), else std::sort.
 BC_INLINE void sort_descending(uint64_t* __restrict x, int64_t n, uint64_t* __restrict tmp) {
   if (n <= 1) return;
-  if (n > 64) {
+  if (n > kRankMax) {
     std::sort(x, x + n, [](uint64_t a, uint64_t b) { return a > b; });
     return;
   }
-  u64x8 v[8];
-  const int64_t blocks = (n + 7) / 8;
-  for (int64_t b = 0; b < blocks; ++b) {
-    v[b] = u64x8{};  // padding keys are 0: below every real key (whose low word is ~index != 0 ... >= 1)
-    std::memcpy(&v[b], x + 8 * b, std::min<int64_t>(8, n - 8 * b) * sizeof(uint64_t));
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    i64x8 above = {};
-    for (int64_t b = 0; b < blocks; ++b) above -= (i64x8)(v[b] > x[i]);
-    int64_t rank = 0;
-    for (int j = 0; j < 8; ++j) rank += above[j];
-    tmp[rank] = x[i];
-  }
+  rank_largest(x, n, n, tmp);
   std::memcpy(x, tmp, n * sizeof(uint64_t));
 }
 
-// The k largest of x[0..n) into x[0..k) (unordered); returns the k-th largest.
-BC_INLINE uint64_t keep_largest(uint64_t* x, int64_t n, int64_t k) {
-  std::nth_element(x, x + (k - 1), x + n, [](uint64_t a, uint64_t b) { return a > b; });
-  return x[k - 1];
+// The k largest of x[0..n) (distinct keys, 1 <= k <= n) into x[0..k), unordered; returns the k-th largest.
+// tmp: n slots. A quickselect whose partition has no data-dependent branch (std::nth_element mispredicts
+// about every other key on scores, which dominated the top-k): each round moves the keys above a
+// median-of-3 pivot to the front of the other buffer and the rest to its back, leaving the pivot's slot
+// between them. Keys known to be among the k largest stay at x[0..done). Small sets are finished by rank
+// counting; a run of bad pivots falls back to std::nth_element.
+BC_INLINE uint64_t keep_largest(uint64_t* __restrict x, int64_t n, int64_t k, uint64_t* __restrict tmp) {
+  constexpr int64_t kSmall = 48;
+  uint64_t* src = x;  // the keys still undecided: src[done .. done + m)
+  uint64_t* dst = tmp;
+  int64_t done = 0, m = n, need = k;
+  for (int round = 0; m > kSmall; ++round) {
+    uint64_t* w = src + done;
+    if (round > 64) {  // never on real data; keeps the worst case O(n log n)
+      if (src != x) std::memcpy(x + done, w, m * sizeof(uint64_t));
+      w = x + done;
+      std::nth_element(w, w + (need - 1), w + m, [](uint64_t a, uint64_t b) { return a > b; });
+      return w[need - 1];
+    }
+    const uint64_t a = w[m / 4], b = w[m / 2], c = w[3 * m / 4];
+    const int64_t p = (a < b) == (b < c) ? m / 2 : ((b < a) == (a < c) ? m / 4 : 3 * m / 4);
+    const uint64_t pivot = w[p];
+    uint64_t* o = dst + done;
+    int64_t lo = 0, hi = m - 1;
+    auto place = [&](uint64_t key) {
+      const int64_t above = key > pivot;
+      o[lo] = key;
+      o[hi] = key;
+      lo += above;
+      hi -= 1 - above;
+    };
+    for (int64_t i = 0; i < p; ++i) place(w[i]);
+    for (int64_t i = p + 1; i < m; ++i) place(w[i]);
+    o[lo] = pivot;  // lo == hi: the one slot left
+    std::swap(src, dst);
+    if (lo >= need) {  // the k-th is above the pivot
+      m = lo;
+      continue;
+    }
+    if (src != x) std::memcpy(x + done, o, (lo + 1) * sizeof(uint64_t));  // the keys above, and the pivot
+    done += lo + 1;
+    need -= lo + 1;
+    if (need == 0) return pivot;
+    m -= lo + 1;
+  }
+  uint64_t best[kSmall];
+  rank_largest(src + done, m, need, best);
+  std::memcpy(x + done, best, need * sizeof(uint64_t));
+  return best[need - 1];
 }
 
 // Per lane: the number of scores above thr[lane].
@@ -220,7 +279,7 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
     any = true;
     if (top.count[c] + cnt[c] > top.capacity) {  // only when count > k, since cnt <= rows = capacity - k
       uint64_t* x = top.keys.data() + c * top.capacity;
-      thr[c] = top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k));
+      thr[c] = top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k, top.sort_tmp.data()));
       top.count[c] = k;
     }
   }
@@ -230,11 +289,11 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
   uint64_t* keys = top.keys.data();
   const int64_t capacity = top.capacity;
   for (int64_t t = 0; t < rows; ++t) {
-    uint64_t bits = 0;
-    for (int v = 0; v < LV; ++v)
-      bits |= static_cast<uint64_t>(lane_bits((i32x16)(load16(s + t * kLaneCount + 16 * v) > g[v]))) << (16 * v);
+    const float* row = s + t * kLaneCount;
+    uint32_t bits = LV == 1 ? lane_bits((i32x16)(load16(row) > g[0]))
+                            : lane_bits2((i32x16)(load16(row) > g[0]), (i32x16)(load16(row + 16) > g[LV - 1]));
     while (bits) {
-      const int c = __builtin_ctzll(bits);
+      const int c = __builtin_ctz(bits);
       bits &= bits - 1;
       // Fits by the counts above (a raised threshold only takes fewer); the bound guards a miscount.
       if (top.count[c] < capacity)
@@ -244,7 +303,8 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
   if (first_tile)  // a threshold for the next tiles at once
     for (int c = 0; c < lanes; ++c)
       if (top.count[c] > k) {
-        top.thr[c] = LaneTopK::score_of(keep_largest(top.keys.data() + c * capacity, top.count[c], k));
+        uint64_t* x = top.keys.data() + c * capacity;
+        top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k, top.sort_tmp.data()));
         top.count[c] = k;
       }
 }
@@ -420,7 +480,7 @@ void topk_finish(LaneTopK& top) {
   for (int64_t c = 0; c < top.lanes; ++c) {
     uint64_t* x = top.keys.data() + c * top.capacity;
     if (top.count[c] > top.k) {
-      keep_largest(x, top.count[c], top.k);
+      keep_largest(x, top.count[c], top.k, top.sort_tmp.data());
       top.count[c] = top.k;
     }
     sort_descending(x, top.count[c], top.sort_tmp.data());

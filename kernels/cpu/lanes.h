@@ -78,7 +78,7 @@ struct LaneTopK {
   int64_t lanes = 0;
   int64_t capacity = 0;         // per lane: k + kKeyTile
   std::vector<uint64_t> keys;   // lanes x capacity; after finish(), each lane's list, descending
-  std::vector<uint64_t> sort_tmp;
+  std::vector<uint64_t> sort_tmp;  // capacity: scratch for the selection and the sort
   int64_t count[kLaneCount] = {};
   float thr[kLaneCount] = {};  // a key enters a lane only with a score above this
   bool started = false;        // a tile was seen (the first one gets a lower bound of its own)
@@ -88,7 +88,7 @@ struct LaneTopK {
     lanes = lanes_;
     capacity = k + kKeyTile;
     keys.resize(capacity * kLaneCount);
-    sort_tmp.resize(64);
+    sort_tmp.resize(capacity);
     started = false;
     for (int c = 0; c < kLaneCount; ++c) {
       count[c] = 0;

@@ -184,7 +184,17 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
 
 void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
   LaneScratch sc(job.dk, job.dv, job.k);
-  for (int64_t task = begin; task < end; ++task) centroid_task(job, task, sc);
+  CentroidJob head = job;  // keys and values of the current (row, head), packed (a head's tasks are adjacent)
+  std::vector<char> keys, values;
+  for (int64_t task = begin, packed = -1; task < end; ++task) {
+    const int64_t rh = task / job.groups;
+    if (rh != packed) {
+      head.keys = packed_head(job.keys, rh / job.heads, rh % job.heads, job.n, job.dk, keys);
+      head.values = packed_head(job.values, rh / job.heads, rh % job.heads, job.n, job.dv, values);
+      packed = rh;
+    }
+    centroid_task(head, task, sc);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------

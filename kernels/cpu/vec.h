@@ -208,6 +208,18 @@ BC_INLINE uint32_t lane_bits(i32x16 mask) {
   return static_cast<uint32_t>(t[0]);
 }
 
+// Two comparison results as a 32-bit mask, lanes of `low` -> bits 0..15, lanes of `high` -> bits 16..31
+// (one reduction for both).
+BC_INLINE uint32_t lane_bits2(i32x16 low, i32x16 high) {
+  const i32x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  i32x16 t = (low & bit) | (high & (bit << 16));
+  t |= __builtin_shufflevector(t, t, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  t |= __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return static_cast<uint32_t>(t[0]);
+}
+
 BC_INLINE float hmax(f32x16 v) {
   v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
           ? v
