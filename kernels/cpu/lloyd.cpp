@@ -55,12 +55,14 @@ void divide(const float* __restrict sums, const float* __restrict counts, int64_
 // The nearest and second nearest centroid of up to kChunk queries. qt: (dk, kChunk) the queries transposed
 // (query j in lane j % 16 of vector j / 16; unused lanes hold zeros); means: (clusters, dk); bias: ||c||^2,
 // +inf for an empty cluster (it never wins). Distances are ||c||^2 - 2 q.c (||q||^2 left out), summed over
-// dk in order. 16 queries per vector, four vectors and two centroids at a time (eight FMA chains); the
-// minimum runs down the centroids in index order with a strict <, so the lowest index wins ties.
+// dk in order. 16 queries per vector, four vectors and four centroids at a time (sixteen FMA chains, each
+// query vector loaded once for four centroids); the minimum runs down the centroids in index order with a
+// strict <, so the lowest index wins ties.
 BC_MULTIVERSION
 void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict means, const float* __restrict bias,
                  int64_t clusters, int64_t* __restrict best, float* __restrict first, float* __restrict second) {
   constexpr int V = kChunk / kLanes;
+  constexpr int kCentroids = 4;
   const f32x16 inf = f32x16{} + kInf;
   f32x16 f[V], s[V];
   i32x16 b[V];
@@ -69,23 +71,23 @@ void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict
     s[v] = inf;
     b[v] = i32x16{} - 1;
   }
-  for (int64_t c = 0; c < clusters; c += 2) {
-    const bool pair = c + 1 < clusters;
-    const float* m0 = means + c * dk;
-    const float* m1 = pair ? m0 + dk : m0;
-    f32x16 a[V] = {}, e[V] = {};
+  for (int64_t c = 0; c < clusters; c += kCentroids) {
+    const int count = static_cast<int>(std::min<int64_t>(kCentroids, clusters - c));
+    const float* m[kCentroids];
+    for (int j = 0; j < kCentroids; ++j) m[j] = means + (c + std::min(j, count - 1)) * dk;  // repeats are unused
+    f32x16 a[kCentroids][V] = {};
     for (int64_t d = 0; d < dk; ++d) {
-      const float x = m0[d], y = m1[d];
-      for (int v = 0; v < V; ++v) {
-        const f32x16 column = load16(qt + d * kChunk + v * kLanes);
-        a[v] += x * column;
-        e[v] += y * column;
+      f32x16 column[V];
+      for (int v = 0; v < V; ++v) column[v] = load16(qt + d * kChunk + v * kLanes);
+      for (int j = 0; j < kCentroids; ++j) {
+        const float x = m[j][d];
+        for (int v = 0; v < V; ++v) a[j][v] += x * column[v];
       }
     }
-    for (int side = 0; side < (pair ? 2 : 1); ++side) {
-      const i32x16 index = i32x16{} + static_cast<int32_t>(c + side);
+    for (int j = 0; j < count; ++j) {
+      const i32x16 index = i32x16{} + static_cast<int32_t>(c + j);
       for (int v = 0; v < V; ++v) {
-        const f32x16 distance = bias[c + side] - 2.f * (side == 0 ? a[v] : e[v]);
+        const f32x16 distance = bias[c + j] - 2.f * a[j][v];
         const auto closer = distance < f[v];
         s[v] = closer ? f[v] : (distance < s[v] ? distance : s[v]);
         b[v] = closer ? index : b[v];
