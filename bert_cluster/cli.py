@@ -319,7 +319,7 @@ def evaluate(
     ] = None,
     mode: Annotated[
         list[Mode] | None,
-        typer.Option("--mode", help="Attention mode; repeat to compare modes (default i-clustered)."),
+        typer.Option("--mode", help=f"Attention mode; repeat to compare modes (default {_DEFAULTS.mode})."),
     ] = None,
     seeds: Annotated[
         int | None, typer.Option("--seeds", help="Number of seeds (0..N-1) per C and mode.")

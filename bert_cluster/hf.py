@@ -399,7 +399,7 @@ def convert(
     topk: int = 32,
     bits: int = 63,
     iterations: int = 10,
-    mode: str = "i-clustered",
+    mode: str = ClusteredAttentionConfig.mode,
     layers: list[int] | tuple[int, ...] | None = None,
     seed: int = 0,
     min_length: int | str = "auto",

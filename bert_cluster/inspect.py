@@ -204,7 +204,7 @@ def cluster_steps(
     assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
     if config.mode == "i-clustered+":
         assignments, centroids, counts = backend.lloyd_refine(
-            query, assignments, clusters, attention.PLUS_LLOYD_ITERATIONS
+            query, assignments, clusters, attention.plus_lloyd_rounds(clusters)
         )
     else:
         centroids, counts = backend.group_queries(query, assignments, clusters)

@@ -337,16 +337,22 @@ def banded_attention(
 # i-clustered+ (issue 13): the Hamming partition refined by Lloyd steps on the real query vectors.
 
 
-def _nearest_centroid(queries: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _nearest_centroid(
+    queries: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, assignments: torch.Tensor
+) -> torch.Tensor:
     """Each query's nearest non-empty centroid in Euclidean distance, ties to the lowest index.
 
     ``||q - c||^2 = ||q||^2 - 2 q.c + ||c||^2``; ``||q||^2`` is the same for every centroid, so the
-    comparison uses ``||c||^2 - 2 q.c``. Empty clusters never win.
+    comparison uses ``||c||^2 - 2 q.c``. Empty clusters never win, nor does a distance that is not finite
+    (a non-finite centroid reaches only its own members); a query with no finite distance (a non-finite
+    query) keeps its cluster (``assignments``).
     """
     dots = torch.matmul(queries, centroids.transpose(-1, -2))  # (R, H, N, C)
     distance = (centroids * centroids).sum(-1)[..., None, :] - 2 * dots
     distance = distance.masked_fill((counts == 0)[..., None, :], math.inf)
-    return distance.argmin(-1)  # argmin returns the first minimum: lowest index wins ties
+    finite = torch.isfinite(distance)
+    nearest = distance.masked_fill(~finite, math.inf).argmin(-1)  # the first minimum: lowest index wins ties
+    return torch.where(finite.any(-1), nearest, assignments)
 
 
 def _cluster_means(queries: torch.Tensor, assignments: torch.Tensor, clusters: int):
@@ -392,10 +398,13 @@ def lloyd_refine(
     q = queries.float()
     member = assignments >= 0
     centroids, counts = _cluster_means(q, assignments, clusters)
-    for _ in range(iterations):
-        nearest = torch.where(member, _nearest_centroid(q, centroids, counts), assignments)
-        if torch.equal(nearest, assignments):
-            break  # a fixed point: further rounds change nothing
+    for round_ in range(iterations):
+        nearest = torch.where(member, _nearest_centroid(q, centroids, counts, assignments), assignments)
+        # A fixed point: further rounds change nothing (they give the same partition and means), so the
+        # check only saves time. Not asked after the last round, nor off the CPU, where it would wait for
+        # the device inside a forward pass.
+        if round_ + 1 < iterations and q.device.type == "cpu" and torch.equal(nearest, assignments):
+            break
         assignments = nearest
         centroids, counts = _cluster_means(q, assignments, clusters)
     return assignments, centroids, counts

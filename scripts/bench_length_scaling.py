@@ -13,9 +13,10 @@ with the unmodified one by cosine. Prints a table and writes JSON.
         --output results/length_scaling.json
 
 A setting is a space-separated list: ``C<n>`` clusters, ``k<n>`` top-k, ``L<n>`` iterations,
-``cg=<x>`` / ``kg=<x>`` cluster_growth / topk_growth, ``fixed`` (both growths 0), ``default`` (nothing
-changed); anything not given is ``convert``'s default, except min_length=0: these
-lengths are far above any crossover, and a crossover measured on a busy machine must not decide here.
+``cg=<x>`` / ``kg=<x>`` cluster_growth / topk_growth, ``fixed`` (both growths 0), a mode name
+(``i-clustered``, ``i-clustered+``, ``clustered``), ``default`` (nothing changed); anything not given is
+``convert``'s default, except min_length=0: these lengths are far above any crossover, and a crossover
+measured on a busy machine must not decide here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ SQUAD = SHARED / "data/squad/dev-v1.1.json"
 
 def parse_setting(text: str) -> dict:
     """``"C100 k64 fixed"`` -> convert keyword arguments."""
+    from bert_cluster.config import MODES
+
     settings: dict = {}
     for token in text.split():
         if token == "fixed":
@@ -55,11 +58,14 @@ def parse_setting(text: str) -> dict:
             pass
         elif token.startswith(("cg=", "kg=")):
             settings["cluster_growth" if token[0] == "c" else "topk_growth"] = float(token[3:])
+        elif token in MODES:
+            settings["mode"] = token
         elif token[0] in "CkL" and token[1:].isdigit():
             settings[{"C": "clusters", "k": "topk", "L": "iterations"}[token[0]]] = int(token[1:])
         else:
             raise SystemExit(
-                f"bad setting {token!r} in {text!r}: use C<n>, k<n>, L<n>, cg=<x>, kg=<x>, fixed"
+                f"bad setting {token!r} in {text!r}: use C<n>, k<n>, L<n>, cg=<x>, kg=<x>, fixed, "
+                f"or a mode ({', '.join(MODES)})"
             )
     return settings
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from bert_cluster import __version__
 from bert_cluster.cli import ATTENTION_OPTIONS, app
-from bert_cluster.config import BACKENDS, MODES
+from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 
 runner = CliRunner()
@@ -240,7 +240,8 @@ def test_progress_goes_to_stderr_as_plain_lines_and_results_to_stdout(tmp_path, 
         app, ["evaluate", str(tiny_folder), "-t", "rte", "-c", "2", "--data-dir", str(tmp_path / "data")]
     )
     assert result.exit_code == 0, result.output
-    assert "[rte] unmodified: accuracy" in result.stderr and "[rte] i-clustered C=2 seed=0" in result.stderr
+    mode = ClusteredAttentionConfig().mode
+    assert "[rte] unmodified: accuracy" in result.stderr and f"[rte] {mode} C=2 seed=0" in result.stderr
     assert "[rte]" not in result.stdout and "speed" in result.stdout and "accuracy" not in result.stdout
 
 

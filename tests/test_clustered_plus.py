@@ -17,7 +17,7 @@ import torch
 
 from bert_cluster import dispatch
 from bert_cluster import reference as ref
-from bert_cluster.attention import PLUS_LLOYD_ITERATIONS, clustered_attention
+from bert_cluster.attention import clustered_attention, plus_lloyd_rounds
 from bert_cluster.config import ClusteredAttentionConfig
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -268,6 +268,11 @@ def test_same_seed_same_output_and_rows_do_not_depend_on_the_batch(backend):
     assert not torch.equal(first, other_seed)
 
 
+def test_plus_spends_about_one_round_of_25_clusters_on_lloyd():
+    # ceil(25 / C) rounds, at most 3: the rule attention.PLUS_LLOYD_WORK documents.
+    assert [plus_lloyd_rounds(c) for c in (1, 8, 10, 12, 13, 24, 25, 100, 336)] == [3, 3, 3, 3, 2, 2, 1, 1, 1]
+
+
 def test_lloyd_rounds_bring_the_output_closer_to_exact_attention():
     # Queries with cluster structure that the hashes only partly see: the refined partition is closer to
     # the queries, hence (Proposition 1) to exact attention. Measured on this draw (C=8, k=8, 63 bits):
@@ -282,7 +287,7 @@ def test_lloyd_rounds_bring_the_output_closer_to_exact_attention():
         out = clustered_attention(queries, k, v, None, config)
         return float((out - exact).norm() / exact.norm())
 
-    assert PLUS_LLOYD_ITERATIONS >= 1
+    assert plus_lloyd_rounds(8) >= 1
     assert error("i-clustered+") < 0.9 * error("i-clustered")
 
 

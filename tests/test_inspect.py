@@ -113,7 +113,7 @@ def test_short_rows_are_exact_as_convert_routes_them():
 
 def test_cluster_steps_reproduce_clustered_attention():
     q, k, v, valid = inputs()
-    config = ClusteredAttentionConfig(clusters=5, topk=4, backend="reference")
+    config = ClusteredAttentionConfig(clusters=5, topk=4, mode="i-clustered", backend="reference")
     backend = dispatch.ReferenceBackend()
     assign, counts, indices = inspect.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 3)
     planes, offsets = hash_planes(0, 3, config.bits, 16, q.device)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "common.h"
 #include "lanes.h"
 #include "parallel.h"
 #include "vec.h"
@@ -24,21 +25,25 @@ namespace {
 constexpr int64_t kLanes = 16;  // the width of f32x16 (vec.h)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-constexpr int64_t kChunk = 64;  // queries assigned together (four vectors of 16 lanes)
+constexpr int64_t kGroup = 16;  // queries per vector (one lane each)
+constexpr int kBatch = 4;        // vectors of queries per distance pass (sixteen FMA chains with four centroids)
 
-// sums[c] += q_i and counts[c] += 1 for the valid queries i in [begin, end), in query order (the order of
-// the reference's index_add_, so that the sums agree bit for bit); with `norms`, also norms[i] = ||q_i||^2
-// (16 partial sums: a plain float sum does not vectorise) in the same pass over the rows.
+// sums[c] += q_i and counts[c] += 1 for the valid queries i in [begin, end) (rows `stride` floats apart), in query
+// order (the order of the reference's index_add_, so that the sums agree bit for bit); with `norms`, also
+// norms[i] = ||q_i||^2 (16 partial sums: a plain float sum does not vectorise) in the same pass.
 BC_MULTIVERSION
-void accumulate(const float* __restrict q, const int64_t* __restrict assign, int64_t begin, int64_t end,
-                int64_t dk, float* __restrict sums, float* __restrict counts, float* __restrict norms = nullptr) {
+void accumulate(const float* __restrict q, int64_t stride, const int64_t* __restrict assign, int64_t begin,
+                int64_t end, int64_t dk, float* __restrict sums, float* __restrict counts,
+                float* __restrict norms = nullptr) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t c = assign[i];
     if (c < 0) continue;
     counts[c] += 1.f;
     float* m = sums + c * dk;
-    const float* qi = q + i * dk;
-    for (int64_t d = 0; d < dk; ++d) m[d] += qi[d];
+    const float* qi = q + i * stride;
+    int64_t d = 0;
+    for (; d + 16 <= dk; d += 16) store16(m + d, load16(m + d) + load16(qi + d));
+    for (; d < dk; ++d) m[d] += qi[d];
     if (norms != nullptr) norms[i] = dot(qi, qi, dk);
   }
 }
@@ -52,24 +57,27 @@ void divide(const float* __restrict sums, const float* __restrict counts, int64_
   }
 }
 
-// The nearest and second nearest centroid of up to kChunk queries. qt: (dk, kChunk) the queries transposed
-// (query j in lane j % 16 of vector j / 16; unused lanes hold zeros); means: (clusters, dk); bias: ||c||^2,
-// +inf for an empty cluster (it never wins). Distances are ||c||^2 - 2 q.c (||q||^2 left out), summed over
-// dk in order. 16 queries per vector, four vectors and four centroids at a time (sixteen FMA chains, each
-// query vector loaded once for four centroids); the minimum runs down the centroids in index order with a
-// strict <, so the lowest index wins ties.
+// The nearest and second nearest centroid of kBatch x 16 queries, lane j of vector v being query lane j of
+// the columns at qt + offset[v]: qt holds queries transposed, feature d of those 16 at qt + d * stride +
+// offset[v]. means: (clusters, dk); bias: ||c||^2, +inf for an empty cluster (it never wins). Distances are
+// ||c||^2 - 2 q.c (||q||^2 left out), summed over dk in order. Four centroids at a time (each query vector
+// loaded once for four centroids); the minimum runs down the centroids in index order with a strict <, so
+// the lowest index wins ties. Results for lane j of vector v at [v * 16 + j].
 BC_MULTIVERSION
-void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict means, const float* __restrict bias,
-                 int64_t clusters, int64_t* __restrict best, float* __restrict first, float* __restrict second) {
-  constexpr int V = kChunk / kLanes;
+void nearest_two(const float* __restrict qt, int64_t stride, const int64_t* offset, int64_t dk,
+                 const float* __restrict means, const float* __restrict bias, int64_t clusters,
+                 int64_t* __restrict best, float* __restrict first, float* __restrict second) {
+  constexpr int V = kBatch;
   constexpr int kCentroids = 4;
   const f32x16 inf = f32x16{} + kInf;
   f32x16 f[V], s[V];
   i32x16 b[V];
+  const float* columns[V];
   for (int v = 0; v < V; ++v) {
     f[v] = inf;
     s[v] = inf;
     b[v] = i32x16{} - 1;
+    columns[v] = qt + offset[v];
   }
   for (int64_t c = 0; c < clusters; c += kCentroids) {
     const int count = static_cast<int>(std::min<int64_t>(kCentroids, clusters - c));
@@ -78,7 +86,7 @@ void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict
     f32x16 a[kCentroids][V] = {};
     for (int64_t d = 0; d < dk; ++d) {
       f32x16 column[V];
-      for (int v = 0; v < V; ++v) column[v] = load16(qt + d * kChunk + v * kLanes);
+      for (int v = 0; v < V; ++v) column[v] = load16(columns[v] + d * stride);
       for (int j = 0; j < kCentroids; ++j) {
         const float x = m[j][d];
         for (int v = 0; v < V; ++v) a[j][v] += x * column[v];
@@ -103,86 +111,161 @@ void nearest_two(const float* __restrict qt, int64_t dk, const float* __restrict
     }
 }
 
-// Lloyd rounds of one (row, head): assign the queries that may move (in chunks of kChunk, transposed for
-// nearest_two), then sum the new partition in query order.
+// What one thread reuses from one (row, head) to the next.
+struct LloydScratch {
+  std::vector<float> qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros;
+  std::vector<const float*> rows;
+  std::vector<int64_t> todo;
+  std::vector<uint8_t> recompute;
+};
+
+// Lloyd rounds of one (row, head): q holds its n query rows `stride` floats apart. Each round assigns the
+// queries that may move, then sums the new partition in query order.
+//
+// Distance passes take queries transposed, 16 to a vector. A round gathers the queries it recomputes into
+// a transposed chunk of 64 and sums the rows up to the chunk's last one right after (they were just read:
+// one pass over the queries per round). When a later round recomputes most of a head that fits in cache,
+// the head is transposed once instead (qt: group g of 16 queries a (dk x 16) block at g * dk * 16), and
+// those rounds run over the groups that hold a query to recompute, four groups per pass.
 //
 // Hamerly's bounds skip most distance computations after the first round: a query keeps an upper bound u
 // on the distance to its own centroid and a lower bound l on the distance to any other; when the
 // centroids move, u grows by how far its own moved and l shrinks by the farthest move. A query with
 // l^2 - u^2 above 1e-5 (||q||^2 + max ||c||^2), far more than float rounding, cannot change cluster and
-// is not recomputed; ties and near ties always are.
-void lloyd_one(const float* __restrict q, int64_t n, int64_t dk, int64_t clusters, int64_t iterations,
-               int64_t* __restrict assign, float* __restrict means, float* __restrict counts) {
-  std::vector<float> sums(clusters * dk, 0.f), next(clusters * dk), next_counts(clusters), bias(clusters),
-      qt(dk * kChunk), zeros(dk, 0.f), upper(n), lower(n), qnorm(n), moved(clusters, 0.f);
-  int64_t todo[kChunk], best[kChunk];
+// is not recomputed; ties and near ties always are. The last round needs no bounds.
+void lloyd_one(const float* __restrict q, int64_t stride, int64_t n, int64_t dk, int64_t clusters,
+               int64_t iterations, int64_t* __restrict assign, float* __restrict means, float* __restrict counts,
+               LloydScratch& sc) {
+  constexpr int64_t kChunk = kBatch * kGroup;
+  constexpr int64_t kCachedHead = 256 * 1024;  // bytes of transposed queries kept across rounds
+  const int64_t np = pad16(n);
+  const bool bounded = iterations > 1;
+  sc.chunk.resize(dk * kChunk);
+  sc.sums.assign(clusters * dk, 0.f);
+  sc.next.resize(clusters * dk);
+  sc.next_counts.resize(clusters);
+  sc.bias.resize(clusters);
+  sc.moved.assign(clusters, 0.f);
+  sc.zeros.assign(dk, 0.f);
+  sc.rows.resize(std::max(n, kChunk));
+  sc.todo.resize(n);
+  sc.recompute.assign(np, 0);
+  if (bounded) {
+    sc.upper.resize(n);
+    sc.lower.resize(n);
+    sc.qnorm.resize(n);
+  }
+  float* upper = sc.upper.data();
+  float* lower = sc.lower.data();
+  const float* qnorm = sc.qnorm.data();
+  int64_t best[kChunk];
   float first[kChunk], second[kChunk];
   float farthest = 0.f;
+  bool transposed = false;  // sc.qt holds this head
   std::fill(counts, counts + clusters, 0.f);
-  accumulate(q, assign, 0, n, dk, sums.data(), counts, qnorm.data());
-  divide(sums.data(), counts, clusters, dk, means);
+  accumulate(q, stride, assign, 0, n, dk, sc.sums.data(), counts, bounded ? sc.qnorm.data() : nullptr);
+  divide(sc.sums.data(), counts, clusters, dk, means);
   for (int64_t it = 0; it < iterations; ++it) {
+    const bool last = it + 1 == iterations;
     float largest = 0.f;
     for (int64_t c = 0; c < clusters; ++c) {
-      bias[c] = kInf;
+      sc.bias[c] = kInf;
       if (counts[c] == 0.f) continue;  // an empty cluster never wins
       float norm = 0.f;
       for (int64_t d = 0; d < dk; ++d) norm += means[c * dk + d] * means[c * dk + d];
-      bias[c] = norm;
+      sc.bias[c] = norm;
       largest = std::max(largest, norm);
     }
-    // The queries that may move, in chunks of kChunk; after each chunk, the sums of the new partition up to
-    // its last query, in query order (those rows were just read: one pass over the queries per round).
-    bool changed = false;
-    int64_t count = 0, summed = 0;
-    std::fill(next.begin(), next.end(), 0.f);
-    std::fill(next_counts.begin(), next_counts.end(), 0.f);
-    auto flush = [&]() {
-      const float* rows[kChunk];
-      for (int64_t j = 0; j < kChunk; ++j) rows[j] = j < count ? q + todo[j] * dk : zeros.data();
-      transpose_rows(rows, kChunk, dk, qt.data());
-      nearest_two(qt.data(), dk, means, bias.data(), clusters, best, first, second);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t i = todo[j];
-        upper[i] = std::sqrt(std::max(first[j] + qnorm[i], 0.f));
-        lower[i] = second[j] == kInf ? kInf : std::sqrt(std::max(second[j] + qnorm[i], 0.f));
-        if (best[j] >= 0 && best[j] != assign[i]) {
-          assign[i] = best[j];
-          changed = true;
-        }
-      }
-      const int64_t last = todo[count - 1] + 1;
-      accumulate(q, assign, summed, last, dk, next.data(), next_counts.data());
-      summed = last;
-      count = 0;
-    };
+    // The queries that may move.
+    int64_t count = 0;
     for (int64_t i = 0; i < n; ++i) {
+      sc.recompute[i] = 0;
       if (assign[i] < 0) continue;
       if (it > 0) {
-        const float u = upper[i] + moved[assign[i]], l = lower[i] - farthest;
+        const float u = upper[i] + sc.moved[assign[i]], l = lower[i] - farthest;
         upper[i] = u;
         lower[i] = l;
         if (l > u && (l - u) * (l + u) > 1e-5f * (qnorm[i] + largest)) continue;  // cannot move
       }
-      todo[count++] = i;
-      if (count == kChunk) flush();
+      sc.todo[count++] = i;
+      sc.recompute[i] = 1;
     }
-    if (count > 0) flush();
-    accumulate(q, assign, summed, n, dk, next.data(), next_counts.data());
+    // The new cluster (and bounds) of query i from lane j of the last distance pass.
+    bool changed = false;
+    auto take = [&](int64_t i, int64_t j) {
+      if (!last) {
+        upper[i] = std::sqrt(std::max(first[j] + qnorm[i], 0.f));
+        lower[i] = second[j] == kInf ? kInf : std::sqrt(std::max(second[j] + qnorm[i], 0.f));
+      }
+      if (best[j] >= 0 && best[j] != assign[i]) {
+        assign[i] = best[j];
+        changed = true;
+      }
+    };
+    std::fill(sc.next.begin(), sc.next.end(), 0.f);
+    std::fill(sc.next_counts.begin(), sc.next_counts.end(), 0.f);
+    if (it > 0 && count * 4 >= n && np * dk * static_cast<int64_t>(sizeof(float)) <= kCachedHead) {
+      // Most of a small head: the groups that hold a query to recompute, four to a pass.
+      if (!transposed) {
+        sc.qt.resize(dk * np);
+        for (int64_t i = 0; i < n; ++i) sc.rows[i] = q + i * stride;
+        for (int64_t g = 0; g * kGroup < n; ++g)
+          transpose_rows(sc.rows.data() + g * kGroup, std::min(kGroup, n - g * kGroup), dk,
+                         sc.qt.data() + g * dk * kGroup);
+        transposed = true;
+      }
+      int64_t offset[kBatch], group[kBatch];
+      int filled = 0;
+      auto pass = [&]() {
+        for (int v = filled; v < kBatch; ++v) offset[v] = offset[0];  // repeats are unused
+        nearest_two(sc.qt.data(), kGroup, offset, dk, means, sc.bias.data(), clusters, best, first, second);
+        for (int v = 0; v < filled; ++v)
+          for (int64_t j = 0; j < kGroup; ++j) {
+            const int64_t i = group[v] * kGroup + j;
+            if (i < n && sc.recompute[i]) take(i, v * kGroup + j);
+          }
+        filled = 0;
+      };
+      for (int64_t g = 0; g * kGroup < n; ++g) {
+        bool any = false;
+        for (int64_t j = 0; j < kGroup; ++j) any |= sc.recompute[g * kGroup + j] != 0;
+        if (!any) continue;
+        group[filled] = g;
+        offset[filled++] = g * dk * kGroup;
+        if (filled == kBatch) pass();
+      }
+      if (filled > 0) pass();
+      accumulate(q, stride, assign, 0, n, dk, sc.next.data(), sc.next_counts.data());
+    } else {
+      // Gathered and transposed kChunk at a time; the sums follow each chunk.
+      const int64_t offset[kBatch] = {0, kGroup, 2 * kGroup, 3 * kGroup};
+      int64_t summed = 0;
+      for (int64_t t0 = 0; t0 < count; t0 += kChunk) {
+        const int64_t rows = std::min(kChunk, count - t0);
+        for (int64_t j = 0; j < kChunk; ++j) sc.rows[j] = j < rows ? q + sc.todo[t0 + j] * stride : sc.zeros.data();
+        transpose_rows(sc.rows.data(), kChunk, dk, sc.chunk.data());
+        nearest_two(sc.chunk.data(), kChunk, offset, dk, means, sc.bias.data(), clusters, best, first, second);
+        for (int64_t j = 0; j < rows; ++j) take(sc.todo[t0 + j], j);
+        const int64_t end = sc.todo[t0 + rows - 1] + 1;
+        accumulate(q, stride, assign, summed, end, dk, sc.next.data(), sc.next_counts.data());
+        summed = end;
+      }
+      accumulate(q, stride, assign, summed, n, dk, sc.next.data(), sc.next_counts.data());
+    }
     if (!changed) break;  // a fixed point: the same sums, and further rounds change nothing
     farthest = 0.f;  // how far the centroids moved: the bounds widen by it in the next round
     for (int64_t c = 0; c < clusters; ++c) {
-      const float divisor = next_counts[c] > 1.f ? next_counts[c] : 1.f;
+      const float divisor = sc.next_counts[c] > 1.f ? sc.next_counts[c] : 1.f;
       float s = 0.f;
       for (int64_t d = 0; d < dk; ++d) {
-        const float updated = next[c * dk + d] / divisor;
+        const float updated = sc.next[c * dk + d] / divisor;
         const float delta = updated - means[c * dk + d];
         s += delta * delta;
         means[c * dk + d] = updated;
       }
-      counts[c] = next_counts[c];
-      moved[c] = std::sqrt(s);
-      if (counts[c] > 0.f) farthest = std::max(farthest, moved[c]);
+      counts[c] = sc.next_counts[c];
+      sc.moved[c] = std::sqrt(s);
+      if (counts[c] > 0.f) farthest = std::max(farthest, sc.moved[c]);
     }
   }
 }
@@ -198,23 +281,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lloyd_refine_cpu(const at::Tensor
   TORCH_CHECK_VALUE(iterations >= 0, "iterations must be >= 0, got ", iterations);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2), dk = queries.size(3);
   check_assignments(assignments, rows, heads, n, queries);
-  const at::Tensor q = queries.to(at::kFloat).contiguous();
+  // float32 rows are read where they are (HF layout: a head's rows a hidden state apart); others widened.
+  const at::Tensor q =
+      queries.scalar_type() == at::kFloat ? last_dim_contiguous(queries) : queries.to(at::kFloat).contiguous();
+  const Rows qrows = Rows::of(q);
   at::Tensor assign = assignments.contiguous().clone();
   at::Tensor centroids = at::empty({rows, heads, clusters, dk}, q.options());
   at::Tensor counts = at::empty({rows, heads, clusters}, q.options());
-  const float* qp = q.data_ptr<float>();
   int64_t* ap = assign.data_ptr<int64_t>();
   float* cp_ = centroids.data_ptr<float>();
   float* np_ = counts.data_ptr<float>();
   for (int64_t i = 0; i < assign.numel(); ++i)
     TORCH_CHECK_VALUE(ap[i] >= -1 && ap[i] < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ",
                       ap[i]);
+  if (assign.numel() == 0) return {assign, centroids.zero_(), counts.zero_()};
   // Cost per (row, head): ~n * clusters * dk multiply-adds per round.
   parallel_for(0, rows * heads, grain_for(n * clusters * dk * std::max<int64_t>(iterations, 1)),
                [&](int64_t begin, int64_t end) {
+                 LloydScratch scratch;
                  for (int64_t rh = begin; rh < end; ++rh)
-                   lloyd_one(qp + rh * n * dk, n, dk, clusters, iterations, ap + rh * n, cp_ + rh * clusters * dk,
-                             np_ + rh * clusters);
+                   lloyd_one(qrows.at<float>(rh / heads, rh % heads), qrows.s2, n, dk, clusters, iterations,
+                             ap + rh * n, cp_ + rh * clusters * dk, np_ + rh * clusters, scratch);
                });
   return {assign, centroids, counts};
 }

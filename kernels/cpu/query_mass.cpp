@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "common.h"
 #include "lanes.h"
 #include "parallel.h"
 #include "vec.h"
@@ -31,7 +32,7 @@ inline int64_t round_up(int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; 
 // What every member of one cluster shares.
 struct Cluster {
   const float* kt;         // (dk, kp): the valid top-k keys, transposed, zero-padded to kp = round_up(kv)
-  const float* vt;         // (kv, dvp): their values, zero-padded to dvp = round_up(dv)
+  const float* const* vrows;  // kv value rows, dvp = round_up(dv) floats readable each (zeros past dv)
   int64_t kv;              // valid top-k keys
   const float* key_mean;   // (dk): mean of the row's valid keys outside T
   const float* half_var;   // (dk): s / 2 * their variance
@@ -60,7 +61,7 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
                             float scaling, float* __restrict scores, float* __restrict row) {
   // Local copies: restrict pointers and scalars the compiler need not reload after each store.
   const float* __restrict kt = cluster.kt;
-  const float* __restrict vt = cluster.vt;
+  const float* const* vrows = cluster.vrows;
   const float* __restrict key_mean = cluster.key_mean;
   const float* __restrict half_var = cluster.half_var;
   const float* __restrict rest_mean = cluster.rest_mean;
@@ -119,8 +120,8 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
       b[m] = rest[m] * r1;
     }
     for (int64_t l = 0; l < kv; ++l) {
-      const f32x16 v0 = load16(vt + l * dvp + c0);
-      const f32x16 v1 = pair ? load16(vt + l * dvp + c0 + kLanes) : f32x16{};
+      const f32x16 v0 = load16(vrows[l] + c0);
+      const f32x16 v1 = pair ? load16(vrows[l] + c0 + kLanes) : f32x16{};
       for (int m = 0; m < M; ++m) {
         const float w = scores[m * kp + l];
         a[m] += w * v0;
@@ -155,18 +156,13 @@ void refine_members(int count, const float* const* q, float* const* out, const C
   }
 }
 
-// One cluster's top-k keys: kt (dk x kvp) their rows transposed, vt (kv x dvp) their values, key_mean and
+// One cluster's top-k keys: kt (dk x kvp) their rows transposed (zero columns past kv), key_mean and
 // half_var (which hold the sums over every valid key) less theirs, top_score (kvp) their scaled scores
 // against the centroid. Returns the largest score. (A function of its own, so that it gets the ISA clones.)
 BC_MULTIVERSION
-float gather_top_keys(const float* __restrict keys, const float* __restrict values, const int64_t* __restrict slot,
-                      int64_t kv, int64_t dk, int64_t dv, int64_t kvp, int64_t dvp, const float* __restrict centroid,
-                      float scale, const float** rows, float* __restrict kt, float* __restrict vt,
-                      float* __restrict key_mean, float* __restrict half_var, float* __restrict top_score) {
-  for (int64_t j = 0; j < kv; ++j) {
-    rows[j] = keys + slot[j] * dk;
-    std::memcpy(vt + j * dvp, values + slot[j] * dv, dv * sizeof(float));
-  }
+float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t kvp, const float* __restrict centroid,
+                      float scale, float* __restrict kt, float* __restrict key_mean, float* __restrict half_var,
+                      float* __restrict top_score) {
   transpose_rows(rows, kv, dk, kt);  // zero columns past kv: they add nothing below
   for (int64_t d = 0; d < dk; ++d) {
     f32x16 sum = {}, squares = {};
@@ -178,25 +174,68 @@ float gather_top_keys(const float* __restrict keys, const float* __restrict valu
     key_mean[d] -= hsum(sum);
     half_var[d] -= hsum(squares);
   }
+  // Two vectors of keys at a time: two independent FMA chains over d (one would wait on each FMA).
   f32x16 top = f32x16{} + kNegInf;
-  for (int64_t c0 = 0; c0 < kvp; c0 += kLanes) {
-    f32x16 acc = {};
-    for (int64_t d = 0; d < dk; ++d) acc += centroid[d] * load16(kt + d * kvp + c0);
+  for (int64_t c0 = 0; c0 < kvp; c0 += 2 * kLanes) {
+    const bool pair = c0 + kLanes < kvp;
+    f32x16 acc = {}, acc2 = {};
+    for (int64_t d = 0; d < dk; ++d) {
+      acc += centroid[d] * load16(kt + d * kvp + c0);
+      if (pair) acc2 += centroid[d] * load16(kt + d * kvp + c0 + kLanes);
+    }
     acc *= scale;
     store16(top_score + c0, acc);
     top = first_lanes(kv - c0) & (acc > top) ? acc : top;
+    if (pair) {
+      acc2 *= scale;
+      store16(top_score + c0 + kLanes, acc2);
+      top = first_lanes(kv - c0 - kLanes) & (acc2 > top) ? acc2 : top;
+    }
   }
   return hmax(top);
 }
 
-// sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows of dk).
+// sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows, `stride` floats apart),
+// 64 features at a time in registers (eight independent chains per row; each feature summed in row order).
 BC_MULTIVERSION
-void sum_valid_rows(const float* __restrict keys, const bool* __restrict valid, int64_t n, int64_t dk,
+void sum_valid_rows(const float* __restrict keys, int64_t stride, const bool* __restrict valid, int64_t n, int64_t dk,
                     float* __restrict sum, float* __restrict squares) {
+  constexpr int V = 4;
+  int64_t d0 = 0;
+  for (; d0 + V * 16 <= dk; d0 += V * 16) {
+    f32x16 s[V], q[V];
+    for (int v = 0; v < V; ++v) {
+      s[v] = load16(sum + d0 + v * 16);
+      q[v] = load16(squares + d0 + v * 16);
+    }
+    for (int64_t l = 0; l < n; ++l) {
+      if (!valid[l]) continue;
+      for (int v = 0; v < V; ++v) {
+        const f32x16 x = load16(keys + l * stride + d0 + v * 16);
+        s[v] += x;
+        q[v] += x * x;
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      store16(sum + d0 + v * 16, s[v]);
+      store16(squares + d0 + v * 16, q[v]);
+    }
+  }
+  for (; d0 + 16 <= dk; d0 += 16) {
+    f32x16 s = load16(sum + d0), q = load16(squares + d0);
+    for (int64_t l = 0; l < n; ++l) {
+      if (!valid[l]) continue;
+      const f32x16 x = load16(keys + l * stride + d0);
+      s += x;
+      q += x * x;
+    }
+    store16(sum + d0, s);
+    store16(squares + d0, q);
+  }
   for (int64_t l = 0; l < n; ++l) {
     if (!valid[l]) continue;
-    const float* x = keys + l * dk;
-    for (int64_t d = 0; d < dk; ++d) {
+    const float* x = keys + l * stride;
+    for (int64_t d = d0; d < dk; ++d) {
       sum[d] += x[d];
       squares[d] += x[d] * x[d];
     }
@@ -222,15 +261,18 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
                     "centroids must be (R, H, C, Dk) = (", rows, ", ", heads, ", ", clusters, ", ", dk, "), got ",
                     centroids.sizes());
   check_same_device(centroids, queries, "centroids", "queries");
-  const at::Tensor q = queries.to(at::kFloat).contiguous(), kf = keys.to(at::kFloat).contiguous();
-  const at::Tensor vf = values.to(at::kFloat).contiguous(), ok = valid.contiguous();
+  // float32 rows are read where they are (HF layout: a head's rows a hidden state apart); others widened.
+  auto float_rows = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat ? last_dim_contiguous(t) : t.to(at::kFloat).contiguous();
+  };
+  const at::Tensor q = float_rows(queries), kf = float_rows(keys), vf = float_rows(values);
+  const at::Tensor ok = valid.contiguous();
   const at::Tensor a = assignments.contiguous(), cen = centroids.contiguous(), cv = centroid_values.contiguous();
   const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
   at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
+  if (out.numel() == 0) return out;
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp_ = kf.data_ptr<float>();
-  const float* vp = vf.data_ptr<float>();
+  const Rows qr = Rows::of(q), kr = Rows::of(kf), vr = Rows::of(vf);
   const bool* okp = ok.data_ptr<bool>();
   const int64_t* ap = a.data_ptr<int64_t>();
   const float* cenp = cen.data_ptr<float>();
@@ -241,19 +283,23 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   const int64_t kp = round_up(k), dvp = round_up(dv);
+  const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
   parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
     std::vector<float> kt(dk * kp), vt(k * dvp), scores(8 * kp), row(8 * dvp), rest_mean(dvp), key_sum(dk),
         square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
-    std::vector<const float*> key_rows(k);
+    std::vector<const float*> key_rows(k), value_rows(k);
     std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
     for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / heads;
+      const int64_t r = rh / heads, h = rh % heads;
+      const float* qh = qr.at<float>(r, h);
+      const float* kh = kr.at<float>(r, h);
+      const float* vh = vr.at<float>(r, h);
       const bool* okr = okp + r * n;
       int64_t valid_keys = 0;
       for (int64_t l = 0; l < n; ++l) valid_keys += okr[l] ? 1 : 0;
       std::fill(key_sum.begin(), key_sum.end(), 0.f);
       std::fill(square_sum.begin(), square_sum.end(), 0.f);
-      sum_valid_rows(kp_ + rh * n * dk, okr, n, dk, key_sum.data(), square_sum.data());
+      sum_valid_rows(kh, kr.s2, okr, n, dk, key_sum.data(), square_sum.data());
       // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
       int64_t* st = start.data();
       std::fill(st, st + clusters + 1, 0);
@@ -271,10 +317,26 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
       std::copy(st, st + clusters, fill.begin());
       for (int64_t i = 0; i < n; ++i)
         if (ar[i] >= 0) order[fill[ar[i]]++] = i;
+      // The rows of a cluster's top-k keys and values sit anywhere in the head: start fetching those of the
+      // next cluster while this one computes.
+      auto prefetch_cluster = [&](int64_t c) {
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t l = tip[(rh * clusters + c) * k + j];
+          if (l < 0 || l >= n) continue;
+          for (int64_t b = 0; b < dk; b += 16) __builtin_prefetch(kh + l * kr.s2 + b);
+          for (int64_t b = 0; b < dv; b += 16) __builtin_prefetch(vh + l * vr.s2 + b);
+        }
+      };
+      int64_t next = 0;
+      while (next < clusters && st[next + 1] == st[next]) ++next;
+      if (next < clusters) prefetch_cluster(next);
       for (int64_t c = 0; c < clusters; ++c) {
         const int64_t task = rh * clusters + c;
         const int64_t members = st[c + 1] - st[c];
         if (members == 0) continue;
+        next = c + 1;
+        while (next < clusters && st[next + 1] == st[next]) ++next;
+        if (next < clusters) prefetch_cluster(next);
         const int64_t* member = order.data() + st[c];
         int64_t kv = 0;
         for (int64_t j = 0; j < k; ++j) {
@@ -288,13 +350,21 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
         const bool no_rest = kv >= valid_keys;
         // The top-k keys (transposed) and values of the cluster; their sum; the centroid's log Z_T.
         const int64_t kvp = round_up(kv);
-        std::fill(kt.begin(), kt.begin() + dk * kvp, 0.f);
-        std::fill(vt.begin(), vt.begin() + kv * dvp, 0.f);
+        for (int64_t j = 0; j < kv; ++j) {
+          key_rows[j] = kh + slot[j] * kr.s2;
+          if (value_rows_direct) {
+            value_rows[j] = vh + slot[j] * vr.s2;
+          } else {
+            float* dst = vt.data() + j * dvp;
+            std::copy(vh + slot[j] * vr.s2, vh + slot[j] * vr.s2 + dv, dst);
+            std::fill(dst + dv, dst + dvp, 0.f);
+            value_rows[j] = dst;
+          }
+        }
         std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
         std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
-        const float top_max =
-            gather_top_keys(kp_ + rh * n * dk, vp + rh * n * dv, slot.data(), kv, dk, dv, kvp, dvp, centroid, scale,
-                            key_rows.data(), kt.data(), vt.data(), key_mean.data(), half_var.data(), top_score.data());
+        const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, kt.data(),
+                                              key_mean.data(), half_var.data(), top_score.data());
         float top_sum = 0.f;
         for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
         const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
@@ -317,14 +387,13 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
           for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
           continue;
         }
-        const Cluster cluster{kt.data(), vt.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
-        const float* qh = qp + rh * n * dk;
+        const Cluster cluster{kt.data(), value_rows.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
         for (int64_t j = 0; j < members; j += 8) {
           const int count = static_cast<int>(std::min<int64_t>(8, members - j));
           const float* qs[8];
           float* os[8];
           for (int b = 0; b < count; ++b) {
-            qs[b] = qh + member[j + b] * dk;
+            qs[b] = qh + member[j + b] * qr.s2;
             os[b] = orow + member[j + b] * dv;
           }
           refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());

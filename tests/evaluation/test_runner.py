@@ -72,20 +72,21 @@ def test_runner_converts_and_reverts_around_every_configuration(spy, tmp_path):
     results = evaluate(model, "good", "10,25", seeds=2, output=tmp_path / "out")
     assert kind.seen == [None, (10, 0), (10, 1), (25, 0), (25, 1)]
     task = results["good"]
+    mode = ClusteredAttentionConfig().mode  # no --mode: the default one
     assert task.ok and [run.label for run in task.runs] == [
         "unmodified",
-        "i-clustered C=10 seed=0",
-        "i-clustered C=10 seed=1",
-        "i-clustered C=25 seed=0",
-        "i-clustered C=25 seed=1",
+        f"{mode} C=10 seed=0",
+        f"{mode} C=10 seed=1",
+        f"{mode} C=25 seed=0",
+        f"{mode} C=25 seed=1",
     ]
-    assert task.summary("m", ("i-clustered", 25)) == {
+    assert task.summary("m", (mode, 25)) == {
         "mean": 25.5,
         "std": pytest.approx(0.7071, abs=1e-4),
         "delta": 25.5,
         "seeds": 2,
     }
-    assert task.runs[1].attention["clusters"] == 10 and task.runs[1].attention["mode"] == "i-clustered"
+    assert task.runs[1].attention["clusters"] == 10 and task.runs[1].attention["mode"] == mode
     # The evaluator approximates every row by default, whatever convert's default is.
     assert task.runs[1].attention["min_length"] == 0
     document = json.loads((tmp_path / "out" / "results.json").read_text())
