@@ -128,7 +128,7 @@ def test_version_1_dicts_keep_their_meaning():
     assert config.cluster_growth == 0 and config.topk_growth == 0
     assert config.row_settings(16384) == (25, 32)
     # A version-2 dict without the growths takes today's defaults (to_dict always writes them).
-    assert ClusteredAttentionConfig.from_dict({**old, "version": 2}).row_settings(16384) == (141, 76)
+    assert ClusteredAttentionConfig.from_dict({**old, "version": 2}).row_settings(16384) == (141, 181)
 
 
 def test_row_settings_change_nothing_up_to_512_tokens_and_grow_as_documented_after():
@@ -137,10 +137,10 @@ def test_row_settings_change_nothing_up_to_512_tokens_and_grow_as_documented_aft
         assert config.row_settings(length) == (25, 32)
     # The figures of the ClusteredAttentionConfig docstring.
     assert [config.row_settings(n) for n in (1024, 2048, 8192, 16384)] == [
-        (35, 38),
-        (50, 45),
-        (100, 64),
-        (141, 76),
+        (35, 45),
+        (50, 64),
+        (100, 128),
+        (141, 181),
     ]
     assert ClusteredAttentionConfig(cluster_growth=0, topk_growth=0).row_settings(8192) == (25, 32)
     assert ClusteredAttentionConfig(cluster_growth=1, topk_growth=1).row_settings(8192) == (400, 512)
