@@ -90,8 +90,9 @@ def key_padding_mask(
     """The mask transformers hands to ``attention_forward``: bool ``(batch, kv_length)``, True on real tokens.
 
     Clustered attention needs per-row valid keys, not a 4-D bias; a sliding window arrives separately as
-    the ``sliding_window`` keyword. The mask is passed on even when nothing is padded: testing that would
-    be a host sync and a torch.compile graph break.
+    the ``sliding_window`` keyword. When nothing is padded the mask is None, as in transformers' own SDPA
+    path, so that a forward pass holds no mask of its own: checked on the CPU only, where reading the mask
+    costs nothing (on a GPU it would be a host sync, and under torch.compile a graph break).
     """
     if kwargs.get("use_vmap"):  # set by transformers only when a model adds its own or/and mask function
         raise ValueError(
@@ -100,7 +101,10 @@ def key_padding_mask(
         )
     if attention_mask is None:
         return None
-    return attention_mask[:, -kv_length:].to(torch.bool)
+    mask = attention_mask[:, -kv_length:]
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling() and bool(mask.all()):
+        return None
+    return mask.to(torch.bool)
 
 
 # --- settings and layer indices ----------------------------------------------------------------------

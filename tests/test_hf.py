@@ -93,6 +93,26 @@ def test_a_padded_row_equals_the_row_alone(family, side):
         assert float((batch[row][keep] - alone.last_hidden_state[0]).abs().max()) < 2e-5
 
 
+def test_an_unpadded_batch_holds_no_mask_and_a_padded_one_its_own(monkeypatch):
+    """Like transformers' own SDPA path: nothing padded, no mask (none held through the forward pass)."""
+    from bert_cluster import hf
+
+    seen = []
+    original = hf.clustered_attention
+    monkeypatch.setattr(
+        hf,
+        "clustered_attention",
+        lambda q, k, v, valid, *a, **kw: seen.append(valid) or original(q, k, v, valid, *a, **kw),
+    )
+    model = bert_cluster.convert(tiny_model("bert"), clusters=3, topk=3, seed=7, min_length=0)
+    ids, mask, _ = padded_batch(model)
+    run(model, ids, torch.ones_like(mask))
+    assert seen and all(valid is None for valid in seen)
+    seen.clear()
+    run(model, ids, mask)
+    assert seen and all(torch.equal(valid, mask.bool()) for valid in seen)
+
+
 @pytest.mark.parametrize("family", SUPPORTED)
 def test_revert_restores_outputs_bit_for_bit(family):
     model = tiny_model(family)
