@@ -5,6 +5,8 @@ Environment:
     BERT_CLUSTER_BUILD_CUDA=1     add the CUDA kernels (nvcc from CUDA_HOME; no GPU needed at build
                                   time; set TORCH_CUDA_ARCH_LIST, e.g. "9.0", else 8.0;9.0+PTX).
     BERT_CLUSTER_NATIVE=1         compile the CPU code with -march=native (not portable).
+    BERT_CLUSTER_MARCH=ARCH       compile the CPU code for one ISA only, e.g. x86-64-v3 or x86-64 (to test
+                                  each of the ISA clones a portable build carries on one machine).
 
 Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed.
 """
@@ -44,8 +46,11 @@ def _extensions() -> tuple[list, dict]:
     # The limited API keeps one _C.abi3.so valid across Python versions (module.cpp needs no more).
     macros.append(("Py_LIMITED_API", "0x030A0000"))
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
-    if _flag("BERT_CLUSTER_NATIVE"):
-        cxx += ["-march=native", "-DBERT_CLUSTER_NO_MULTIVERSION"]
+    march = os.environ.get("BERT_CLUSTER_MARCH", "").strip()
+    if not march and _flag("BERT_CLUSTER_NATIVE"):
+        march = "native"
+    if march:
+        cxx += [f"-march={march}", "-DBERT_CLUSTER_NO_MULTIVERSION"]
     else:
         # GCC's generic tuning folds every reuse of a loaded vector into a memory-operand FMA (three times
         # the loads in the hashing and refinement loops: 25-50% slower on an AVX-512 Xeon, measured); Intel

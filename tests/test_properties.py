@@ -216,6 +216,58 @@ def near_ties(case: Case, q, k, valid) -> torch.Tensor:
     return tied
 
 
+def twins_out_of_order(keys: torch.Tensor, valid: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(R, H, C) bool: a top-k list breaks the tie rule for duplicated keys.
+
+    A list that holds a key must hold every identical valid key of a lower index, ranked before it.
+    """
+    rows, heads, clusters, _ = indices.shape
+    bad = torch.zeros(rows, heads, clusters, dtype=torch.bool)
+    for row in range(rows):
+        for head in range(heads):
+            rows_k = keys[row, head]
+            twin = (rows_k[:, None, :] == rows_k[None, :, :]).all(-1) & valid[row]  # (N, N)
+            for cluster in range(clusters):
+                ranked = [j for j in indices[row, head, cluster].tolist() if j >= 0]
+                seen: set[int] = set()
+                for j in ranked:
+                    if any(i not in seen for i in twin[j, :j].nonzero().flatten().tolist()):
+                        bad[row, head, cluster] = True
+                        break
+                    seen.add(j)
+    return bad
+
+
+def blas_split_twins(case: Case, q, k, valid) -> torch.Tensor:
+    """(R, H) bool: the reference's own float32 scores (its BLAS product) differ between identical keys.
+
+    The reference then ranks such twins by that rounding rather than by the tie rule (see
+    ``test_discrete_steps_agree_where_the_rules_fix_them``): a tie the rules cannot fix either.
+    """
+    config = case.config
+    rows, heads, _, _ = q.shape
+    split = torch.zeros(rows, heads, dtype=torch.bool)
+    planes, offsets = hash_planes(config.seed, 0, config.bits, q.shape[-1])
+    for row in range(rows):
+        length = int(valid[row].sum())
+        clusters, _ = config.row_settings(length)
+        if config.mode != "i-clustered" or length <= clusters:
+            continue
+        hashes = ref.hash_queries(q[row : row + 1], planes, offsets)
+        assignments, _ = ref.hamming_kmeans(
+            hashes, valid[row : row + 1], clusters, config.iterations, config.bits
+        )
+        centroids, _ = ref.group_queries(q[row : row + 1], assignments, clusters)
+        scores = torch.matmul(centroids, k[row : row + 1].float().transpose(-1, -2)) * case.scaling
+        for head in range(heads):
+            keys = k[row, head][valid[row]]
+            twin = (keys[:, None, :] == keys[None, :, :]).all(-1)
+            s = scores[0, head][:, valid[row]]  # (C, n_valid)
+            if ((s[:, :, None] != s[:, None, :]) & twin).any():
+                split[row, head] = True
+    return split
+
+
 # --- properties -----------------------------------------------------------------------------------
 
 
@@ -237,7 +289,7 @@ def test_every_backend_matches_the_reference(backend: str, case: Case) -> None:
     allowed = ATOL[case.dtype] + RTOL[case.dtype] * expected.float().abs()
     bad = (error > allowed).flatten(2).any(-1)  # (R, H)
     if bad.any():
-        unexplained = bad & ~near_ties(case, q, k, valid)
+        unexplained = bad & ~near_ties(case, q, k, valid) & ~blas_split_twins(case, q, k, valid)
         assert not unexplained.any(), (
             f"{backend} differs from the reference by {float(error.max()):.3g} on (row, head) "
             f"{unexplained.nonzero().tolist()} with no near-tie to explain it: {case}"
@@ -303,10 +355,14 @@ def test_discrete_steps_agree_where_the_rules_fix_them(backend: str, case: Case)
     if swapped.any():
         close = (mine - theirs).abs() <= SCORE_EPS * (1 + mine.abs())
         assert (close | ~swapped).all(), "a top-k rank differs between keys whose scores are not tied"
-        a = ref._gather_rows(k.double(), indices.clamp(min=0))
-        b = ref._gather_rows(k.double(), got_indices.clamp(min=0))
-        twins = (a == b).all(-1) & swapped
-        assert not twins.any(), "duplicated keys (an exact tie) must keep the lowest index first"
+        # The kernels score every key with the same arithmetic, so duplicated keys tie exactly and the
+        # lowest index comes first. The reference's BLAS product need not: on some code paths (MKL's
+        # SSE4.2 kernels, which it takes on CPUs such as AMD's EPYC; MKL_ENABLE_INSTRUCTIONS=SSE4_2
+        # here) a key in a GEMM's edge block sums in another order, its twin's score differs by an ulp
+        # and the reference ranks the higher index first. So the rule is checked on the kernel's lists.
+        assert not twins_out_of_order(k, valid, got_indices).any(), (
+            "duplicated keys (an exact tie) must keep the lowest index first"
+        )
     else:
         for name, a, b in zip(
             ("centroid_values", "topk_mass", "topk_values"),

@@ -164,13 +164,16 @@ def test_demo_end_to_end_through_the_cli(mini_data, tmp_path):
 # The README's figures: the whole demo (all 1,500 STS-B pairs; all 10,570 SQuAD questions against all
 # 2,067 paragraphs), unmodified and at C=25 in convert's default mode (i-clustered+), to two decimals.
 # Clustered attention is discontinuous (a hash bit flips on a rounding difference), so the patched SQuAD
-# figures move with the CPU's floating-point paths and the kernels by a few questions of 10,570 (the
-# paper's mode: 62.26 / 86.07 / 72.35 with 0.1.0's kernels on an AMD EPYC, 62.24 / 86.09 / 72.34 on an
-# Intel Xeon with AVX-512, 62.20 / 86.10 / 72.32 with later kernels on the AMD EPYC). i-clustered+ as
-# measured on the Intel Xeon: 62.62 / 86.29 / 72.71. The patched SQuAD figures are checked to within 5
-# questions (0.05 points) of the README's. squad-articles-proxy (8 articles of up to 8,192 tokens on the
-# untrained proxy, 500 questions; its patched run has C=100, k=128 at 8,192 tokens); its patched figures are
-# checked to within 5 questions too (1.0 point of 500).
+# figures move with the CPU's floating-point paths (MKL's and ATen's, and the kernels' ISA clone) by a
+# few questions of 10,570. i-clustered+ as measured on the Intel Xeon (AVX-512): 62.62 / 86.29 / 72.71.
+# Measured on that machine with the other paths forced (MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY,
+# and the kernels built for one ISA with BERT_CLUSTER_MARCH): AVX2 everywhere 62.53 / 86.23 / 72.65 (what
+# CI's AMD EPYC gave: R@1 62.53), MKL SSE4.2 with AVX2 62.60 / 86.36 / 72.70, MKL SSE4.2 with AVX-512
+# 62.59 / 86.36 / 72.69, MKL SSE4.2 with no vector ISA 62.67 / 86.20 / 72.71: at most 0.09 points (10
+# questions) from the README's figures. The patched SQuAD figures are checked to within 0.15 (16
+# questions). squad-articles-proxy (8 articles of up to 8,192 tokens on the untrained proxy, 500
+# questions; its patched run has C=100, k=128 at 8,192 tokens); its patched figures are checked to within
+# 5 questions (1.0 point of 500).
 README_FIGURES = {
     "stsb-embedding": ({"spearman": 86.72, "pearson": 86.96}, {"spearman": 86.72, "pearson": 86.96}),
     "squad-retrieval": (
@@ -182,8 +185,8 @@ README_FIGURES = {
         {"recall@1": 89.60, "recall@5": 99.40, "mrr@10": 93.90},
     ),
 }
-#: Points that 5 questions are worth in each task's patched figures (STS-B: exact, see above).
-PATCHED_TOLERANCE = {"stsb-embedding": 0.0, "squad-retrieval": 0.05, "squad-articles-proxy": 1.0}
+#: How far each task's patched figures may move with the CPU's floating-point paths (see above).
+PATCHED_TOLERANCE = {"stsb-embedding": 0.0, "squad-retrieval": 0.15, "squad-articles-proxy": 1.0}
 
 
 @pytest.mark.slow
