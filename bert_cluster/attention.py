@@ -388,8 +388,17 @@ def _(query, key, value, valid, *settings):
 
 
 def _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer) -> torch.Tensor:
-    """The paper's steps on rows that are all longer than ``clusters``: float32 output."""
+    """The paper's steps on rows that are all longer than ``clusters``: float32 output.
+
+    A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
+    result as the steps below one by one.
+    """
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
+    fused = getattr(backend, "clustered_heads", None)
+    if fused is not None:
+        rounds = plus_lloyd_rounds(clusters) if config.mode == "i-clustered+" else 0
+        settings = (clusters, topk, config.iterations, config.mode, rounds, scaling)
+        return fused(query, key, value, valid, planes, offsets, *settings)
     hashes = backend.hash_queries(query, planes, offsets)
     assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
     if config.mode == "i-clustered+":

@@ -146,6 +146,10 @@ class CpuKernelBackend(_KernelBackend):
     SUPPORTED_DEVICES = frozenset({"cpu"})
     DISPATCH_KEY = "CPU"
 
+    #: Every step of one call in one op (per (row, head), one parallel region); the other backends have
+    #: no such op and attention._clustered composes their steps.
+    clustered_heads = _kernel_step("clustered_heads")
+
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
         """Available when ``bert_cluster._C`` loaded and registered every CPU kernel."""

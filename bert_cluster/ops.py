@@ -307,4 +307,53 @@ def refine_with_query_mass(
     )
 
 
+# Every step of one attention call as one op (kernels/cpu/pipeline.cpp): the steps above, run per (row, head)
+# in one parallel region, with their results bit for bit. attention._clustered composes the same steps one
+# by one on the backends that lack it.
+CPU_ONLY_SCHEMAS["clustered_heads"] = (
+    "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor planes, Tensor offsets, int clusters, "
+    "int topk, int iterations, str mode, int lloyd_rounds, float scaling) -> Tensor"
+)
+_LIB.define("clustered_heads" + CPU_ONLY_SCHEMAS["clustered_heads"])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::clustered_heads")
+def _clustered_heads_fake(
+    queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling
+):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+def clustered_heads(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    planes: torch.Tensor,
+    offsets: torch.Tensor,
+    clusters: int,
+    topk: int,
+    iterations: int,
+    mode: str,
+    lloyd_rounds: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Hashing to refinement in one op (see ``attention._clustered``): float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.clustered_heads.default(
+        queries,
+        keys,
+        values,
+        valid,
+        planes,
+        offsets,
+        int(clusters),
+        int(topk),
+        int(iterations),
+        mode,
+        int(lloyd_rounds),
+        float(scaling),
+    )
+
+
 CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)

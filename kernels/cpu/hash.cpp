@@ -16,6 +16,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "parallel.h"
+#include "steps.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -97,14 +98,6 @@ BC_INLINE void hash_rows_t(const T* q, int64_t stride, const float* planes_t, co
     default: hash_rows_nb<4>(q, stride, planes_t, offsets, count, dk, bits, out, buf); break;
   }
 }
-
-struct HashJob {
-  Rows q;
-  InputType type;
-  const float *planes_t, *offsets;
-  int64_t heads, n, dk, bits;
-  int64_t* out;
-};
 
 // Rows [begin, end) of the flattened (R * H * N) queries, cut at (row, head) boundaries.
 BC_MULTIVERSION
@@ -376,15 +369,28 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
 
 }  // namespace
 
+std::pair<at::Tensor, at::Tensor> padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk) {
+  const int64_t bits = planes.size(0);
+  const auto f32 = planes.options().dtype(at::kFloat);
+  at::Tensor planes_t = at::zeros({std::max<int64_t>(dk, 1), 64}, f32);
+  planes_t.narrow(0, 0, dk).narrow(1, 0, bits).copy_(planes.t());
+  at::Tensor off = at::zeros({64}, f32);
+  off.narrow(0, 0, bits).copy_(offsets);
+  return {planes_t, off};
+}
+
+void hash_rows(const HashJob& job, int64_t begin, int64_t end) { hash_range(job, begin, end); }
+
+void hamming_kmeans_head(const int64_t* hashes, const bool* valid, int64_t n, int64_t clusters, int64_t iterations,
+                         int64_t bits, int64_t* assign, int64_t* centroids) {
+  kmeans_one(hashes, valid, n, clusters, iterations, bits, assign, centroids);
+}
+
 at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes, const at::Tensor& offsets) {
   check_hash_args(queries, planes, offsets);
   const at::Tensor q = last_dim_contiguous(queries);
   const int64_t bits = planes.size(0), dk = queries.size(3);
-  const auto f32 = queries.options().dtype(at::kFloat);
-  const at::Tensor planes_t = at::zeros({std::max<int64_t>(dk, 1), 64}, f32);
-  planes_t.narrow(0, 0, dk).narrow(1, 0, bits).copy_(planes.t());
-  const at::Tensor off = at::zeros({64}, f32);
-  off.narrow(0, 0, bits).copy_(offsets);
+  const auto [planes_t, off] = padded_planes(planes, offsets, dk);
   at::Tensor out = at::empty(queries.sizes().slice(0, 3), queries.options().dtype(at::kLong));
   const int64_t count = out.numel();
   if (count == 0) return out;

@@ -17,6 +17,7 @@
 #include "common.h"
 #include "lanes.h"
 #include "parallel.h"
+#include "steps.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -112,13 +113,6 @@ void nearest_two(const float* __restrict qt, int64_t stride, const int64_t* offs
 }
 
 // What one thread reuses from one (row, head) to the next.
-struct LloydScratch {
-  std::vector<float> qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros;
-  std::vector<const float*> rows;
-  std::vector<int64_t> todo;
-  std::vector<uint8_t> recompute;
-};
-
 // Lloyd rounds of one (row, head): q holds its n query rows `stride` floats apart. Each round assigns the
 // queries that may move, then sums the new partition in query order.
 //
@@ -271,6 +265,11 @@ void lloyd_one(const float* __restrict q, int64_t stride, int64_t n, int64_t dk,
 }
 
 }  // namespace
+
+void lloyd_refine_head(const float* q, int64_t stride, int64_t n, int64_t dk, int64_t clusters, int64_t iterations,
+                       int64_t* assign, float* means, float* counts, LloydScratch& scratch) {
+  lloyd_one(q, stride, n, dk, clusters, iterations, assign, means, counts, scratch);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lloyd_refine_cpu(const at::Tensor& queries,
                                                                 const at::Tensor& assignments, int64_t clusters,

@@ -19,6 +19,7 @@
 #include "common.h"
 #include "lanes.h"
 #include "parallel.h"
+#include "steps.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -244,6 +245,137 @@ void sum_valid_rows(const float* __restrict keys, int64_t stride, const bool* __
 
 }  // namespace
 
+void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
+  const Rows qr = job.q, kr = job.keys, vr = job.values;
+  const bool* okp = job.valid;
+  const int64_t* ap = job.assign;
+  const float* cenp = job.centroids;
+  const float* cvp = job.centroid_values;
+  const int64_t* tip = job.indices;
+  const float* tmp = job.mass;
+  const float* tvp = job.top_values;
+  float* op = job.out;
+  const int64_t heads = job.heads, n = job.n, clusters = job.clusters, k = job.k, dk = job.dk, dv = job.dv;
+  const float scale = job.scaling;
+  const int64_t kp = round_up(k), dvp = round_up(dv);
+  const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
+  std::vector<float> kt(dk * kp), vt(k * dvp), scores(8 * kp), row(8 * dvp), rest_mean(dvp), key_sum(dk),
+      square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
+  std::vector<const float*> key_rows(k), value_rows(k);
+  std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
+  for (int64_t rh = begin; rh < end; ++rh) {
+    const int64_t r = rh / heads, h = rh % heads;
+    const float* qh = qr.at<float>(r, h);
+    const float* kh = kr.at<float>(r, h);
+    const float* vh = vr.at<float>(r, h);
+    const bool* okr = okp + r * n;
+    int64_t valid_keys = 0;
+    for (int64_t l = 0; l < n; ++l) valid_keys += okr[l] ? 1 : 0;
+    std::fill(key_sum.begin(), key_sum.end(), 0.f);
+    std::fill(square_sum.begin(), square_sum.end(), 0.f);
+    sum_valid_rows(kh, kr.s2, okr, n, dk, key_sum.data(), square_sum.data());
+    // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
+    int64_t* st = start.data();
+    std::fill(st, st + clusters + 1, 0);
+    const int64_t* ar = ap + rh * n;
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
+                        ", got ", ar[i]);
+      if (ar[i] >= 0) {
+        st[ar[i] + 1] += 1;
+      } else {
+        std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
+      }
+    }
+    for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
+    std::copy(st, st + clusters, fill.begin());
+    for (int64_t i = 0; i < n; ++i)
+      if (ar[i] >= 0) order[fill[ar[i]]++] = i;
+    // The rows of a cluster's top-k keys and values sit anywhere in the head: start fetching those of the
+    // next cluster while this one computes.
+    auto prefetch_cluster = [&](int64_t c) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t l = tip[(rh * clusters + c) * k + j];
+        if (l < 0 || l >= n) continue;
+        for (int64_t b = 0; b < dk; b += 16) __builtin_prefetch(kh + l * kr.s2 + b);
+        for (int64_t b = 0; b < dv; b += 16) __builtin_prefetch(vh + l * vr.s2 + b);
+      }
+    };
+    int64_t next = 0;
+    while (next < clusters && st[next + 1] == st[next]) ++next;
+    if (next < clusters) prefetch_cluster(next);
+    for (int64_t c = 0; c < clusters; ++c) {
+      const int64_t task = rh * clusters + c;
+      const int64_t members = st[c + 1] - st[c];
+      if (members == 0) continue;
+      next = c + 1;
+      while (next < clusters && st[next + 1] == st[next]) ++next;
+      if (next < clusters) prefetch_cluster(next);
+      const int64_t* member = order.data() + st[c];
+      int64_t kv = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t l = tip[task * k + j];
+        if (l < 0) continue;
+        TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
+        slot[kv++] = l;
+      }
+      const float* centroid = cenp + task * dk;
+      const float m = tmp[task], rest = 1.f - m;
+      const bool no_rest = kv >= valid_keys;
+      // The top-k keys (transposed) and values of the cluster; their sum; the centroid's log Z_T.
+      const int64_t kvp = round_up(kv);
+      for (int64_t j = 0; j < kv; ++j) {
+        key_rows[j] = kh + slot[j] * kr.s2;
+        if (value_rows_direct) {
+          value_rows[j] = vh + slot[j] * vr.s2;
+        } else {
+          float* dst = vt.data() + j * dvp;
+          std::copy(vh + slot[j] * vr.s2, vh + slot[j] * vr.s2 + dv, dst);
+          std::fill(dst + dv, dst + dvp, 0.f);
+          value_rows[j] = dst;
+        }
+      }
+      std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
+      std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
+      const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, kt.data(),
+                                            key_mean.data(), half_var.data(), top_score.data());
+      float top_sum = 0.f;
+      for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
+      const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
+      for (int64_t d = 0; d < dk; ++d) {
+        key_mean[d] /= rest_count;
+        const float variance = half_var[d] / rest_count - key_mean[d] * key_mean[d];
+        half_var[d] = 0.5f * scale * (variance > 0.f ? variance : 0.f);
+      }
+      std::fill(rest_mean.begin(), rest_mean.end(), 0.f);
+      float log_base = -kInf;
+      if (!no_rest) {
+        const float divisor = rest > 0.f ? rest : 1.f;
+        for (int64_t d = 0; d < dv; ++d) rest_mean[d] = (cvp[task * dv + d] - tvp[task * dv + d]) / divisor;
+        const float log_odds = std::log(std::max(rest, 0.f)) - std::log(std::max(m, std::numeric_limits<float>::min()));
+        log_base = log_odds + top_max + std::log(top_sum) -
+                   rest_logz(centroid, key_mean.data(), half_var.data(), dk, scale);
+      }
+      float* orow = op + rh * n * dv;
+      if (kv == 0) {  // no key to refine: the centroid's row
+        for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
+        continue;
+      }
+      const Cluster cluster{kt.data(), value_rows.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
+      for (int64_t j = 0; j < members; j += 8) {
+        const int count = static_cast<int>(std::min<int64_t>(8, members - j));
+        const float* qs[8];
+        float* os[8];
+        for (int b = 0; b < count; ++b) {
+          qs[b] = qh + member[j + b] * qr.s2;
+          os[b] = orow + member[j + b] * dv;
+        }
+        refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());
+      }
+    }
+  }
+}
+
 at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                                       const at::Tensor& valid, const at::Tensor& assignments,
                                       const at::Tensor& centroids, const at::Tensor& centroid_values,
@@ -272,135 +404,12 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
   if (out.numel() == 0) return out;
 
-  const Rows qr = Rows::of(q), kr = Rows::of(kf), vr = Rows::of(vf);
-  const bool* okp = ok.data_ptr<bool>();
-  const int64_t* ap = a.data_ptr<int64_t>();
-  const float* cenp = cen.data_ptr<float>();
-  const float* cvp = cv.data_ptr<float>();
-  const int64_t* tip = ti.data_ptr<int64_t>();
-  const float* tmp = tm.data_ptr<float>();
-  const float* tvp = tv.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  const int64_t kp = round_up(k), dvp = round_up(dv);
-  const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
-  parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)), [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(dk * kp), vt(k * dvp), scores(8 * kp), row(8 * dvp), rest_mean(dvp), key_sum(dk),
-        square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
-    std::vector<const float*> key_rows(k), value_rows(k);
-    std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t r = rh / heads, h = rh % heads;
-      const float* qh = qr.at<float>(r, h);
-      const float* kh = kr.at<float>(r, h);
-      const float* vh = vr.at<float>(r, h);
-      const bool* okr = okp + r * n;
-      int64_t valid_keys = 0;
-      for (int64_t l = 0; l < n; ++l) valid_keys += okr[l] ? 1 : 0;
-      std::fill(key_sum.begin(), key_sum.end(), 0.f);
-      std::fill(square_sum.begin(), square_sum.end(), 0.f);
-      sum_valid_rows(kh, kr.s2, okr, n, dk, key_sum.data(), square_sum.data());
-      // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
-      int64_t* st = start.data();
-      std::fill(st, st + clusters + 1, 0);
-      const int64_t* ar = ap + rh * n;
-      for (int64_t i = 0; i < n; ++i) {
-        TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
-                          ", got ", ar[i]);
-        if (ar[i] >= 0) {
-          st[ar[i] + 1] += 1;
-        } else {
-          std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
-        }
-      }
-      for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
-      std::copy(st, st + clusters, fill.begin());
-      for (int64_t i = 0; i < n; ++i)
-        if (ar[i] >= 0) order[fill[ar[i]]++] = i;
-      // The rows of a cluster's top-k keys and values sit anywhere in the head: start fetching those of the
-      // next cluster while this one computes.
-      auto prefetch_cluster = [&](int64_t c) {
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t l = tip[(rh * clusters + c) * k + j];
-          if (l < 0 || l >= n) continue;
-          for (int64_t b = 0; b < dk; b += 16) __builtin_prefetch(kh + l * kr.s2 + b);
-          for (int64_t b = 0; b < dv; b += 16) __builtin_prefetch(vh + l * vr.s2 + b);
-        }
-      };
-      int64_t next = 0;
-      while (next < clusters && st[next + 1] == st[next]) ++next;
-      if (next < clusters) prefetch_cluster(next);
-      for (int64_t c = 0; c < clusters; ++c) {
-        const int64_t task = rh * clusters + c;
-        const int64_t members = st[c + 1] - st[c];
-        if (members == 0) continue;
-        next = c + 1;
-        while (next < clusters && st[next + 1] == st[next]) ++next;
-        if (next < clusters) prefetch_cluster(next);
-        const int64_t* member = order.data() + st[c];
-        int64_t kv = 0;
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t l = tip[task * k + j];
-          if (l < 0) continue;
-          TORCH_CHECK_VALUE(l < n, "topk_indices must be -1 or in 0..", n - 1, ", got ", l);
-          slot[kv++] = l;
-        }
-        const float* centroid = cenp + task * dk;
-        const float m = tmp[task], rest = 1.f - m;
-        const bool no_rest = kv >= valid_keys;
-        // The top-k keys (transposed) and values of the cluster; their sum; the centroid's log Z_T.
-        const int64_t kvp = round_up(kv);
-        for (int64_t j = 0; j < kv; ++j) {
-          key_rows[j] = kh + slot[j] * kr.s2;
-          if (value_rows_direct) {
-            value_rows[j] = vh + slot[j] * vr.s2;
-          } else {
-            float* dst = vt.data() + j * dvp;
-            std::copy(vh + slot[j] * vr.s2, vh + slot[j] * vr.s2 + dv, dst);
-            std::fill(dst + dv, dst + dvp, 0.f);
-            value_rows[j] = dst;
-          }
-        }
-        std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
-        std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
-        const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, kt.data(),
-                                              key_mean.data(), half_var.data(), top_score.data());
-        float top_sum = 0.f;
-        for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
-        const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
-        for (int64_t d = 0; d < dk; ++d) {
-          key_mean[d] /= rest_count;
-          const float variance = half_var[d] / rest_count - key_mean[d] * key_mean[d];
-          half_var[d] = 0.5f * scale * (variance > 0.f ? variance : 0.f);
-        }
-        std::fill(rest_mean.begin(), rest_mean.end(), 0.f);
-        float log_base = -kInf;
-        if (!no_rest) {
-          const float divisor = rest > 0.f ? rest : 1.f;
-          for (int64_t d = 0; d < dv; ++d) rest_mean[d] = (cvp[task * dv + d] - tvp[task * dv + d]) / divisor;
-          const float log_odds = std::log(std::max(rest, 0.f)) - std::log(std::max(m, std::numeric_limits<float>::min()));
-          log_base = log_odds + top_max + std::log(top_sum) -
-                     rest_logz(centroid, key_mean.data(), half_var.data(), dk, scale);
-        }
-        float* orow = op + rh * n * dv;
-        if (kv == 0) {  // no key to refine: the centroid's row
-          for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
-          continue;
-        }
-        const Cluster cluster{kt.data(), value_rows.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
-        for (int64_t j = 0; j < members; j += 8) {
-          const int count = static_cast<int>(std::min<int64_t>(8, members - j));
-          const float* qs[8];
-          float* os[8];
-          for (int b = 0; b < count; ++b) {
-            qs[b] = qh + member[j + b] * qr.s2;
-            os[b] = orow + member[j + b] * dv;
-          }
-          refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());
-        }
-      }
-    }
-  });
+  QueryMassJob job{Rows::of(q), Rows::of(kf), Rows::of(vf), ok.data_ptr<bool>(), a.data_ptr<int64_t>(),
+                   cen.data_ptr<float>(), cv.data_ptr<float>(), tm.data_ptr<float>(), tv.data_ptr<float>(),
+                   ti.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
+                   out.data_ptr<float>()};
+  parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)),
+               [&](int64_t begin, int64_t end) { query_mass_heads(job, begin, end); });
   return out;
 }
 

@@ -20,6 +20,7 @@
 #include "common.h"
 #include "lanes.h"
 #include "parallel.h"
+#include "steps.h"
 #include "vec.h"
 
 namespace bert_cluster {
@@ -27,15 +28,6 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------------
 // group_queries
-
-struct GroupJob {
-  Rows q;
-  InputType type;
-  const int64_t* assign;
-  int64_t heads, n, clusters, dk;
-  float* sums;
-  float* counts;
-};
 
 template <typename T>
 BC_INLINE void group_head(const GroupJob& job, int64_t rh, float* __restrict row) {
@@ -79,21 +71,10 @@ void group_heads(const GroupJob& job, int64_t begin, int64_t end) {
 // ---------------------------------------------------------------------------------------------------
 // centroid_attention
 
-struct CentroidJob {
-  const float* centroids;  // (R, H, C, Dk) contiguous
-  Rows keys, values;
-  InputType type;
-  const bool* valid;
-  const int64_t *span_lo, *span_hi;
-  int64_t heads, n, clusters, groups, dk, dv, k;
-  float scaling;
-  float *centroid_values, *mass, *top_values;
-  int64_t* indices;
-};
-
 struct LaneScratch {
   std::vector<float> qt, s, kbuf, vbuf, acc, row, weights, scores;
   std::vector<const float*> rows;
+  std::vector<char> packed_keys, packed_values;  // a head's keys and values, when its rows are not adjacent
   std::vector<int32_t> first, last;
   LaneTopK top;
   LaneScratch(int64_t dk, int64_t dv, int64_t k)
@@ -183,9 +164,10 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
 }
 
 void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
-  LaneScratch sc(job.dk, job.dv, job.k);
+  LaneScratch& sc = thread_scratch<LaneScratch>(job.dk, job.dv, job.k);
   CentroidJob head = job;  // keys and values of the current (row, head), packed (a head's tasks are adjacent)
-  std::vector<char> keys, values;
+  std::vector<char>& keys = sc.packed_keys;
+  std::vector<char>& values = sc.packed_values;
   for (int64_t task = begin, packed = -1; task < end; ++task) {
     const int64_t rh = task / job.groups;
     if (rh != packed) {
@@ -199,17 +181,6 @@ void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
 
 // ---------------------------------------------------------------------------------------------------
 // topk_refine
-
-struct RefineJob {
-  Rows q, keys, values;
-  InputType type;
-  const int64_t* assign;
-  const float *centroid_values, *mass, *top_values;
-  const int64_t* indices;
-  int64_t heads, n, clusters, k, dk, dv;
-  float scaling;
-  float* out;
-};
 
 constexpr int kRefineBlock = 8;  // members refined together (16 accumulators)
 
@@ -445,11 +416,34 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
 }
 
 void refine_heads(const RefineJob& job, int64_t begin, int64_t end) {
-  RefineScratch sc(job.n, job.clusters, job.k, job.dk, job.dv);
+  RefineScratch& sc = thread_scratch<RefineScratch>(job.n, job.clusters, job.k, job.dk, job.dv);
   for (int64_t rh = begin; rh < end; ++rh) refine_head(job, rh, sc);
 }
 
 }  // namespace
+
+void group_query_heads(const GroupJob& job, int64_t begin, int64_t end) { group_heads(job, begin, end); }
+
+void centroid_attention_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
+  centroid_tasks(job, begin, end);
+}
+
+void topk_refine_heads(const RefineJob& job, int64_t begin, int64_t end) { refine_heads(job, begin, end); }
+
+void broadcast_cluster_heads(const float* centroid_values, const int64_t* assign, int64_t n, int64_t clusters,
+                             int64_t dv, int64_t begin, int64_t end, float* out) {
+  for (int64_t i = begin * n; i < end * n; ++i) {
+    const int64_t c = assign[i];
+    TORCH_CHECK_VALUE(c >= -1 && c < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", c);
+    float* o = out + i * dv;
+    if (c < 0) {
+      std::fill(o, o + dv, 0.f);
+    } else {
+      const float* src = centroid_values + ((i / n) * clusters + c) * dv;
+      std::copy(src, src + dv, o);
+    }
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, const at::Tensor& assignments,
                                                      int64_t clusters) {

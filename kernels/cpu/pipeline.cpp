@@ -1,0 +1,185 @@
+// clustered_heads on the CPU: every step of clustered, i-clustered or i-clustered+ attention in one op.
+//
+// The steps are the ops' own functions (steps.h), so the result is theirs bit for bit. What changes is the
+// schedule: with at least as many (row, head)s as threads, one task runs every step of a head after another
+// (hash, K-means, centroids, centroid attention, refinement), so a call is one parallel region instead of
+// five, its steps stay in the head's cache, and no step is too small to split across threads (at 512
+// tokens the separate centroid step stayed on one thread). With fewer (row, head)s than threads (one long
+// row of few heads) each step runs its own parallel loop, as the separate ops do.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../checks.h"
+#include "common.h"
+#include "lanes.h"
+#include "parallel.h"
+#include "steps.h"
+
+namespace bert_cluster {
+namespace {
+
+enum class Mode { kClustered, kImproved, kImprovedPlus };
+
+Mode parse_mode(c10::string_view name) {
+  const std::string mode(name.data(), name.size());
+  if (mode == "clustered") return Mode::kClustered;
+  if (mode == "i-clustered") return Mode::kImproved;
+  TORCH_CHECK_VALUE(mode == "i-clustered+", "mode must be clustered, i-clustered or i-clustered+, got ", mode);
+  return Mode::kImprovedPlus;
+}
+
+}  // namespace
+
+at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
+                               int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
+                               int64_t lloyd_rounds, double scaling) {
+  const Mode mode = parse_mode(mode_name);
+  check_qkv(queries, keys, values);
+  check_hash_args(queries, planes, offsets);
+  const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
+  const int64_t dk = queries.size(3), dv = values.size(3), bits = planes.size(0);
+  check_valid(valid, rows, n, queries);
+  TORCH_CHECK_VALUE(clusters >= 1, "clusters must be >= 1, got ", clusters);
+  TORCH_CHECK_VALUE(iterations >= 0, "iterations must be >= 0, got ", iterations);
+  TORCH_CHECK_VALUE(topk >= 0, "topk must be >= 0, got ", topk);
+  TORCH_CHECK_VALUE(lloyd_rounds >= 0, "lloyd_rounds must be >= 0, got ", lloyd_rounds);
+  const int64_t k = mode == Mode::kClustered ? 0 : std::min(topk, n);
+  const int64_t rh_count = rows * heads;
+
+  const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
+  const at::Tensor ok = valid.contiguous();
+  // i-clustered+ reads float32 queries (Lloyd rounds, refinement) and keys and values (refinement), as its ops do.
+  auto float_rows = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat ? last_dim_contiguous(t) : t.to(at::kFloat).contiguous();
+  };
+  at::Tensor qf, kf, vf;
+  if (mode == Mode::kImprovedPlus) {
+    qf = float_rows(queries);
+    kf = float_rows(keys);
+    vf = float_rows(values);
+  }
+  const auto i64 = queries.options().dtype(at::kLong);
+  const auto f32 = queries.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({rows, heads, n, dv}, f32);
+  if (out.numel() == 0 || n == 0) return out.zero_();
+  const auto [planes_t, off] = padded_planes(planes, offsets, dk);
+  at::Tensor hashes = at::empty({rows, heads, n}, i64);
+  at::Tensor assign = at::empty({rows, heads, n}, i64);
+  at::Tensor centroid_hashes = at::empty({rows, heads, clusters}, i64);
+  at::Tensor centroids = at::zeros({rows, heads, clusters, dk}, f32);
+  at::Tensor counts = at::zeros({rows, heads, clusters}, f32);
+  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, f32);
+  at::Tensor indices = at::empty({rows, heads, clusters, k}, i64);
+  at::Tensor mass = at::zeros({rows, heads, clusters}, f32);
+  at::Tensor top_values = at::zeros({rows, heads, clusters, dv}, f32);
+
+  const bool* okp = ok.data_ptr<bool>();
+  int64_t* hp = hashes.data_ptr<int64_t>();
+  int64_t* ap = assign.data_ptr<int64_t>();
+  int64_t* chp = centroid_hashes.data_ptr<int64_t>();
+  float* cenp = centroids.data_ptr<float>();
+  float* cntp = counts.data_ptr<float>();
+  std::vector<int64_t> lo(rows), hi(rows);
+  valid_spans(okp, rows, n, lo.data(), hi.data());
+  const int64_t groups = (clusters + kLaneCount - 1) / kLaneCount;
+
+  const HashJob hash_job{Rows::of(q), input_type(q), planes_t.data_ptr<float>(), off.data_ptr<float>(), heads, n, dk,
+                         bits, hp};
+  const GroupJob group_job{Rows::of(q), input_type(q), ap, heads, n, clusters, dk, cenp, cntp};
+  const CentroidJob centroid_job{cenp, Rows::of(kk), Rows::of(vv), input_type(kk), okp, lo.data(), hi.data(), heads, n,
+                                 clusters, groups, dk, dv, k, static_cast<float>(scaling),
+                                 centroid_values.data_ptr<float>(), mass.data_ptr<float>(),
+                                 top_values.data_ptr<float>(), indices.data_ptr<int64_t>()};
+  const RefineJob refine_job{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), ap,
+                             centroid_values.data_ptr<float>(), mass.data_ptr<float>(), top_values.data_ptr<float>(),
+                             indices.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
+                             out.data_ptr<float>()};
+  QueryMassJob mass_job{};
+  Rows qfr;
+  if (mode == Mode::kImprovedPlus) {
+    qfr = Rows::of(qf);
+    mass_job = QueryMassJob{qfr, Rows::of(kf), Rows::of(vf), okp, ap, cenp, centroid_values.data_ptr<float>(),
+                            mass.data_ptr<float>(), top_values.data_ptr<float>(), indices.data_ptr<int64_t>(), heads, n,
+                            clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
+  }
+  auto kmeans = [&](int64_t rh) {
+    hamming_kmeans_head(hp + rh * n, okp + (rh / heads) * n, n, clusters, iterations, bits, ap + rh * n,
+                        chp + rh * clusters);
+  };
+  auto lloyd = [&](int64_t rh, LloydScratch& scratch) {
+    lloyd_refine_head(qfr.at<float>(rh / heads, rh % heads), qfr.s2, n, dk, clusters, lloyd_rounds, ap + rh * n,
+                      cenp + rh * clusters * dk, cntp + rh * clusters, scratch);
+  };
+  auto finish = [&](int64_t begin, int64_t end) {
+    switch (mode) {
+      case Mode::kClustered:
+        broadcast_cluster_heads(centroid_values.data_ptr<float>(), ap, n, clusters, dv, begin, end,
+                                out.data_ptr<float>());
+        break;
+      case Mode::kImproved: topk_refine_heads(refine_job, begin, end); break;
+      case Mode::kImprovedPlus: query_mass_heads(mass_job, begin, end); break;
+    }
+  };
+
+  const int64_t vectors = (bits + 15) / 16;
+  // Work of one (row, head) in the units of grain_for, per query: hashing (dk x 64 planes), K-means rounds,
+  // centroid scores and values over all keys, the refinement's k keys, Lloyd rounds.
+  const int64_t head_cost =
+      n * (std::max<int64_t>(dk, 1) * 16 * vectors + clusters * iterations * 4 + groups * kLaneCount * (dk + dv + 16) +
+           2 * k * (dk + dv) + lloyd_rounds * clusters * dk);
+  if (rh_count >= at::get_num_threads()) {
+    // Heads taken one at a time from a shared counter: K-means stops at a fixed point, so heads cost
+    // unequal time and equal static shares would leave a thread idle. Each head's result is the same
+    // whichever thread computes it.
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), rh_count);
+    // One item per worker; the grain keeps a call too small to pay for a parallel region on one thread.
+    parallel_for(0, workers, grain_for(head_cost * rh_count / workers), [&](int64_t, int64_t) {
+                   LloydScratch scratch;
+                   for (int64_t rh = next.fetch_add(1); rh < rh_count; rh = next.fetch_add(1)) {
+                     hash_rows(hash_job, rh * n, (rh + 1) * n);
+                     kmeans(rh);
+                     if (mode == Mode::kImprovedPlus) {
+                       lloyd(rh, scratch);
+                     } else {
+                       group_query_heads(group_job, rh, rh + 1);
+                     }
+                     centroid_attention_tasks(centroid_job, rh * groups, (rh + 1) * groups);
+                     finish(rh, rh + 1);
+                   }
+                 });
+    return out;
+  }
+  // Few (row, head)s: each step parallel on its own, with the grains of the separate ops.
+  parallel_for(0, rh_count * n, grain_for(std::max<int64_t>(dk, 1) * vectors * 16),
+               [&](int64_t begin, int64_t end) { hash_rows(hash_job, begin, end); });
+  parallel_for(0, rh_count, grain_for(n * clusters * iterations * 32), [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) kmeans(rh);
+  });
+  if (mode == Mode::kImprovedPlus) {
+    parallel_for(0, rh_count, grain_for(n * clusters * dk * std::max<int64_t>(lloyd_rounds, 1)),
+                 [&](int64_t begin, int64_t end) {
+                   LloydScratch scratch;
+                   for (int64_t rh = begin; rh < end; ++rh) lloyd(rh, scratch);
+                 });
+  } else {
+    parallel_for(0, rh_count, grain_for(n * dk),
+                 [&](int64_t begin, int64_t end) { group_query_heads(group_job, begin, end); });
+  }
+  parallel_for(0, rh_count * groups, grain_for(n * (dk + dv + 16) * kLaneCount / 16),
+               [&](int64_t begin, int64_t end) { centroid_attention_tasks(centroid_job, begin, end); });
+  parallel_for(0, rh_count, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
+               [&](int64_t begin, int64_t end) { finish(begin, end); });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("clustered_heads", &clustered_heads_cpu); }
+
+}  // namespace bert_cluster

@@ -1,0 +1,135 @@
+"""``clustered_heads``: every step of one attention call in one CPU op, against those steps one by one.
+
+The op runs the steps' own functions (kernels/cpu/steps.h) per (row, head) in one parallel region, or step
+by step when there are fewer (row, head)s than threads; either way its output must be the composed steps'
+bit for bit, in every mode, dtype and padding layout, whatever the thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bert_cluster import attention, dispatch
+from bert_cluster.config import ClusteredAttentionConfig
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_properties import CASES, Case, cases  # noqa: E402
+
+MODES = ("clustered", "i-clustered", "i-clustered+")
+
+
+class StepByStep(dispatch.CpuKernelBackend):
+    """The CPU kernels without the fused op: attention._clustered composes their steps one by one."""
+
+    clustered_heads = None
+
+
+def _require_cpu() -> None:
+    ok, why = dispatch.CpuKernelBackend.is_available()
+    if not ok:
+        pytest.skip(f"cpu kernels unavailable: {why}")
+
+
+def _both(case: Case, mode: str, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused, composed) outputs of attention._clustered for the case's tensors and settings."""
+    q, k, v, valid = case.tensors()
+    config = case.config.replace(mode=mode, backend="cpu")
+    args = (q, k, v, valid, config, config.clusters, config.topk, case.scaling, 2)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = attention._clustered(dispatch.CpuKernelBackend(), *args)
+        composed = attention._clustered(StepByStep(), *args)
+    finally:
+        torch.set_num_threads(previous)
+    return fused, composed
+
+
+@CASES
+@given(case=cases(), mode=st.sampled_from(MODES), threads=st.sampled_from([1, 2, 4]))
+def test_the_fused_op_gives_its_steps_bit_for_bit(case: Case, mode: str, threads: int) -> None:
+    _require_cpu()
+    fused, composed = _both(case, mode, threads)
+    assert fused.dtype == composed.dtype == torch.float32
+    assert torch.equal(fused, composed), f"{mode}, {threads} threads: {float((fused - composed).abs().max())}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_both_schedules_give_one_answer(mode: str) -> None:
+    """Per (row, head) in one region (6 heads, 2 threads) and step by step (6 heads, 8 threads): the same."""
+    _require_cpu()
+    config = ClusteredAttentionConfig(
+        clusters=7, topk=9, bits=31, iterations=6, mode=mode, min_length=0, cluster_growth=0, topk_growth=0
+    )
+    case = Case(2, 3, 300, 40, 24, "bf16", ["left", "holes"], "gaussian", config, 0.2, 11)
+    per_head, composed = _both(case, mode, 2)
+    step_by_step, _ = _both(case, mode, 8)
+    assert torch.equal(per_head, composed) and torch.equal(step_by_step, composed)
+    assert per_head.abs().sum() > 0
+
+
+def test_the_cpu_backend_runs_the_fused_op(monkeypatch) -> None:
+    """clustered_attention on the CPU kernels goes through clustered_heads, once per row group."""
+    _require_cpu()
+    from bert_cluster import ops
+
+    calls = []
+    original = ops.clustered_heads
+    monkeypatch.setattr(ops, "clustered_heads", lambda *args: calls.append(args[9]) or original(*args))
+    q, k, v = (torch.randn(2, 2, 80, 16) for _ in range(3))
+    config = ClusteredAttentionConfig(clusters=5, topk=6, min_length=0, backend="cpu")
+    attention.clustered_attention(q, k, v, None, config)
+    assert calls == [config.mode]
+
+
+def test_opcheck() -> None:
+    _require_cpu()
+    from bert_cluster import ops
+
+    ops._ensure_loaded()
+    q, k, v = (torch.randn(1, 2, 33, 8) for _ in range(3))
+    valid = torch.ones(1, 33, dtype=torch.bool)
+    valid[0, 30:] = False
+    planes, offsets = attention.hash_planes(0, 0, 12, 8)
+    for mode in MODES:
+        args = (q, k, v, valid, planes, offsets, 4, 5, 3, mode, 1, 0.35)
+        torch.library.opcheck(torch.ops.bert_cluster.clustered_heads.default, args)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        ({"mode": "fast"}, ValueError, "mode must be clustered, i-clustered or i-clustered\\+"),
+        ({"clusters": 0}, ValueError, "clusters must be >= 1"),
+        ({"topk": -1}, ValueError, "topk must be >= 0"),
+        ({"lloyd_rounds": -1}, ValueError, "lloyd_rounds must be >= 0"),
+        ({"planes": torch.randn(12, 5)}, ValueError, "planes must be \\(B, Dk\\)"),
+        ({"valid": torch.ones(1, 32, dtype=torch.bool)}, ValueError, "valid must have shape"),
+        ({"values": torch.randn(1, 2, 33, 8).double()}, TypeError, "values must be float32"),
+    ],
+)
+def test_bad_input_raises(change: dict, error: type, match: str) -> None:
+    _require_cpu()
+    from bert_cluster import ops
+
+    planes, offsets = attention.hash_planes(0, 0, 12, 8)
+    args = {
+        "queries": torch.randn(1, 2, 33, 8),
+        "keys": torch.randn(1, 2, 33, 8),
+        "values": torch.randn(1, 2, 33, 8),
+        "valid": torch.ones(1, 33, dtype=torch.bool),
+        "planes": planes,
+        "offsets": offsets,
+        "clusters": 4,
+        "topk": 5,
+        "iterations": 3,
+        "mode": "i-clustered",
+        "lloyd_rounds": 1,
+        "scaling": 0.35,
+    }
+    args.update(change)
+    with pytest.raises(error, match=match):
+        ops.clustered_heads(*args.values())
