@@ -283,6 +283,33 @@ void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict ass
     if (pending[c] > 0) flush(c);
 }
 
+// Moves query hash `h` from cluster `from` to cluster `to` in the bit counts (-1: none), as count_bits
+// would count the new partition: the counts are integers, so updating those of the queries that moved
+// gives exactly the recount (which after the first rounds touches a few queries instead of all).
+BC_MULTIVERSION
+void move_bits(uint64_t h, int64_t from, int64_t to, uint32_t* __restrict ones, int64_t* __restrict members) {
+  u32x16 lane;
+  for (int j = 0; j < 16; ++j) lane[j] = static_cast<uint32_t>(j);
+  for (int w = 0; w < 4; ++w) {
+    const u32x16 word = u32x16{} + static_cast<uint32_t>(h >> (16 * w));
+    const u32x16 bits = (word >> lane) & 1u;
+    if (from >= 0) {
+      u32x16 total;
+      std::memcpy(&total, ones + from * 64 + 16 * w, sizeof(total));
+      total -= bits;
+      std::memcpy(ones + from * 64 + 16 * w, &total, sizeof(total));
+    }
+    if (to >= 0) {
+      u32x16 total;
+      std::memcpy(&total, ones + to * 64 + 16 * w, sizeof(total));
+      total += bits;
+      std::memcpy(ones + to * 64 + 16 * w, &total, sizeof(total));
+    }
+  }
+  if (from >= 0) members[from] -= 1;
+  if (to >= 0) members[to] += 1;
+}
+
 // New centroid bits: 2 * ones > members -> 1, < -> 0, equal (a tie, or an empty cluster) -> the old bit.
 // Returns whether any centroid changed.
 BC_MULTIVERSION
@@ -348,12 +375,22 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   std::vector<uint8_t> small(clusters * 64);
   std::vector<int32_t> pending(clusters);
   std::vector<int64_t> members(clusters);
+  std::vector<int64_t> previous;  // the last round's assignment, to update the counts by the queries that moved
   bool settled = false;  // `assign` is already the assignment to the final centroids
   for (int64_t it = 0; it < iterations; ++it) {
     assign_all(hashes, valid, n, cent.data(), present.data(), clusters, mask, assign);
-    std::fill(ones.begin(), ones.end(), 0u);
-    std::fill(members.begin(), members.end(), 0);
-    count_bits(hashes, assign, n, clusters, ones.data(), members.data(), small.data(), pending.data());
+    if (it == 0) {
+      std::fill(ones.begin(), ones.end(), 0u);
+      std::fill(members.begin(), members.end(), 0);
+      count_bits(hashes, assign, n, clusters, ones.data(), members.data(), small.data(), pending.data());
+      if (iterations > 1) previous.assign(assign, assign + n);
+    } else {
+      for (int64_t i = 0; i < n; ++i)
+        if (assign[i] != previous[i]) {
+          move_bits(hashes[i] & mask, previous[i], assign[i], ones.data(), members.data());
+          previous[i] = assign[i];
+        }
+    }
     // Majority vote per bit; a tied vote (including an empty cluster: 0 == 0) keeps the old bit.
     const bool changed = majority_update(ones.data(), members.data(), clusters, mask, cent.data());
     // A fixed point: the remaining rounds would reassign and re-vote to exactly the same values, and the

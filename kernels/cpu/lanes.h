@@ -71,8 +71,8 @@ void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* kt)
 // threshold to an unordered buffer of k + kKeyTile; when a tile's candidates would not fit, a linear-time
 // selection keeps the k best and raises the threshold to the k-th best's score (a later key with that
 // score has a larger index and loses the tie). A task's first tile only admits keys that reach the
-// smallest of the maxima of k groups of its rows (k distinct keys reach it). `finish` sorts each lane's
-// k best once.
+// smallest of the 4th largest scores of ceil(k / 4) groups of its rows (k distinct keys reach it).
+// `finish` sorts each lane's k best once.
 struct LaneTopK {
   int64_t k = 0;
   int64_t lanes = 0;
