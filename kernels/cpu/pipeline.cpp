@@ -58,16 +58,18 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
 
   const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor ok = valid.contiguous();
-  // i-clustered+ reads float32 queries (Lloyd rounds, refinement) and keys and values (refinement), as its ops do.
-  auto float_rows = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kFloat ? last_dim_contiguous(t) : t.to(at::kFloat).contiguous();
-  };
-  at::Tensor qf, kf, vf;
-  if (mode == Mode::kImprovedPlus) {
-    qf = float_rows(queries);
-    kf = float_rows(keys);
-    vf = float_rows(values);
-  }
+  // A head whose queries, keys and values fit in about half of a core's L2 runs all its steps in one task;
+  // a larger one gains nothing from that and runs step by step (12 heads, 2 threads, Xeon with 2 MiB of L2
+  // per core: per head 1.7x faster at 128 tokens and 1.45x at 512, equal at 2,048 x 32 dims, 5% slower
+  // at 8,192 x 32 and 7% at 4,096 x 64).
+  const int64_t head_bytes = n * (2 * dk + dv) * static_cast<int64_t>(q.element_size());
+  const bool per_head = rh_count >= at::get_num_threads() && head_bytes <= kPerHeadBytes;
+  // i-clustered+ reads float32 queries (Lloyd rounds, refinement) and keys and values (refinement), as its
+  // ops do: fp16/bf16 heads are widened one at a time into a worker's buffers (the values a widened copy of
+  // the whole tensors would hold, without allocating three float32 tensors per call: at 4,096 tokens in
+  // bf16 their page faults made a call take 15 to 27 ms from run to run, against 13 ms).
+  const bool plus = mode == Mode::kImprovedPlus;
+  const bool widen_heads = plus && q.scalar_type() != at::kFloat;
   const auto i64 = queries.options().dtype(at::kLong);
   const auto f32 = queries.options().dtype(at::kFloat);
   at::Tensor out = at::empty({rows, heads, n, dv}, f32);
@@ -105,10 +107,9 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                              indices.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
                              out.data_ptr<float>()};
   QueryMassJob mass_job{};
-  Rows qfr;
-  if (mode == Mode::kImprovedPlus) {
-    qfr = Rows::of(qf);
-    mass_job = QueryMassJob{qfr, Rows::of(kf), Rows::of(vf), okp, ap, cenp, centroid_values.data_ptr<float>(),
+  if (plus) {
+    mass_job = QueryMassJob{widen_heads ? Rows{} : Rows::of(q), widen_heads ? Rows{} : Rows::of(kk),
+                            widen_heads ? Rows{} : Rows::of(vv), okp, ap, cenp, centroid_values.data_ptr<float>(),
                             mass.data_ptr<float>(), top_values.data_ptr<float>(), indices.data_ptr<int64_t>(), heads, n,
                             clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
   }
@@ -116,19 +117,32 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     hamming_kmeans_head(hp + rh * n, okp + (rh / heads) * n, n, clusters, iterations, bits, ap + rh * n,
                         chp + rh * clusters);
   };
-  auto lloyd = [&](int64_t rh, LloydScratch& scratch) {
-    lloyd_refine_head(qfr.at<float>(rh / heads, rh % heads), qfr.s2, n, dk, clusters, lloyd_rounds, ap + rh * n,
+  // Lloyd rounds of head rh on the float32 query rows of `job`.
+  auto lloyd = [&](const QueryMassJob& job, int64_t rh, LloydScratch& scratch) {
+    lloyd_refine_head(job.q.at<float>(rh / heads, rh % heads), job.q.s2, n, dk, clusters, lloyd_rounds, ap + rh * n,
                       cenp + rh * clusters * dk, cntp + rh * clusters, scratch);
   };
-  auto finish = [&](int64_t begin, int64_t end) {
+  auto finish = [&](const QueryMassJob& job, int64_t begin, int64_t end) {
     switch (mode) {
       case Mode::kClustered:
         broadcast_cluster_heads(centroid_values.data_ptr<float>(), ap, n, clusters, dv, begin, end,
                                 out.data_ptr<float>());
         break;
       case Mode::kImproved: topk_refine_heads(refine_job, begin, end); break;
-      case Mode::kImprovedPlus: query_mass_heads(mass_job, begin, end); break;
+      case Mode::kImprovedPlus: query_mass_heads(job, begin, end); break;
     }
+  };
+  // Head rh of `src` (n rows of d values) as float32 in `buf`, as Rows that resolve every (row, head) to it.
+  const InputType type = input_type(q);
+  auto widened = [&](const at::Tensor& src, int64_t rh, int64_t d, std::vector<float>& buf) {
+    const Rows rows_in = Rows::of(src);
+    buf.resize(static_cast<size_t>(n * d));
+    for (int64_t i = 0; i < n; ++i) widen_row(type, rows_in.ptr(rh / heads, rh % heads, i), buf.data() + i * d, d);
+    Rows rows_out;
+    rows_out.data = buf.data();
+    rows_out.s2 = d;
+    rows_out.itemsize = static_cast<int64_t>(sizeof(float));
+    return rows_out;
   };
 
   const int64_t vectors = (bits + 15) / 16;
@@ -137,12 +151,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   const int64_t head_cost =
       n * (std::max<int64_t>(dk, 1) * 16 * vectors + clusters * iterations * 4 + groups * kLaneCount * (dk + dv + 16) +
            2 * k * (dk + dv) + lloyd_rounds * clusters * dk);
-  // A head whose queries, keys and values fit in about half of a core's L2 runs all its steps in one task;
-  // a larger one gains nothing from that and runs step by step (12 heads, 2 threads, Xeon with 2 MiB of L2
-  // per core: per head 1.7x faster at 128 tokens and 1.45x at 512, equal at 2,048 x 32 dims, 5% slower
-  // at 8,192 x 32 and 7% at 4,096 x 64).
-  const int64_t head_bytes = n * (2 * dk + dv) * static_cast<int64_t>(q.element_size());
-  if (rh_count >= at::get_num_threads() && head_bytes <= kPerHeadBytes) {
+  if (per_head) {
     // Heads taken one at a time from a shared counter: K-means stops at a fixed point, so heads cost
     // unequal time and equal static shares would leave a thread idle. Each head's result is the same
     // whichever thread computes it.
@@ -151,16 +160,23 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     // One item per worker; the grain keeps a call too small to pay for a parallel region on one thread.
     parallel_for(0, workers, grain_for(head_cost * rh_count / workers), [&](int64_t, int64_t) {
                    LloydScratch scratch;
+                   std::vector<float> wq, wk, wv;  // a head widened to float32 (i-clustered+ on fp16/bf16)
                    for (int64_t rh = next.fetch_add(1); rh < rh_count; rh = next.fetch_add(1)) {
+                     QueryMassJob job = mass_job;
+                     if (widen_heads) {
+                       job.q = widened(q, rh, dk, wq);
+                       job.keys = widened(kk, rh, dk, wk);
+                       job.values = widened(vv, rh, dv, wv);
+                     }
                      hash_rows(hash_job, rh * n, (rh + 1) * n);
                      kmeans(rh);
-                     if (mode == Mode::kImprovedPlus) {
-                       lloyd(rh, scratch);
+                     if (plus) {
+                       lloyd(job, rh, scratch);
                      } else {
                        group_query_heads(group_job, rh, rh + 1);
                      }
                      centroid_attention_tasks(centroid_job, rh * groups, (rh + 1) * groups);
-                     finish(rh, rh + 1);
+                     finish(job, rh, rh + 1);
                    }
                  });
     return out;
@@ -175,7 +191,12 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     parallel_for(0, rh_count, grain_for(n * clusters * dk * std::max<int64_t>(lloyd_rounds, 1)),
                  [&](int64_t begin, int64_t end) {
                    LloydScratch scratch;
-                   for (int64_t rh = begin; rh < end; ++rh) lloyd(rh, scratch);
+                   std::vector<float> wq;
+                   for (int64_t rh = begin; rh < end; ++rh) {
+                     QueryMassJob job = mass_job;
+                     if (widen_heads) job.q = widened(q, rh, dk, wq);
+                     lloyd(job, rh, scratch);
+                   }
                  });
   } else {
     parallel_for(0, rh_count, grain_for(n * dk),
@@ -184,7 +205,17 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   parallel_for(0, rh_count * groups, grain_for(n * (dk + dv + 16) * kLaneCount / 16),
                [&](int64_t begin, int64_t end) { centroid_attention_tasks(centroid_job, begin, end); });
   parallel_for(0, rh_count, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
-               [&](int64_t begin, int64_t end) { finish(begin, end); });
+               [&](int64_t begin, int64_t end) {
+                 if (!widen_heads) return finish(mass_job, begin, end);
+                 std::vector<float> wq, wk, wv;
+                 for (int64_t rh = begin; rh < end; ++rh) {
+                   QueryMassJob job = mass_job;
+                   job.q = widened(q, rh, dk, wq);
+                   job.keys = widened(kk, rh, dk, wk);
+                   job.values = widened(vv, rh, dv, wv);
+                   finish(job, rh, rh + 1);
+                 }
+               });
   return out;
 }
 
