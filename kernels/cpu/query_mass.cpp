@@ -370,6 +370,14 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
           qs[b] = qh + member[j + b] * qr.s2;
           os[b] = orow + member[j + b] * dv;
         }
+        // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
+        // for them took most of the refinement's time on heads larger than the cache.
+        for (int64_t b = j + 8; b < std::min<int64_t>(members, j + 16); ++b) {
+          const float* next_q = qh + member[b] * qr.s2;
+          const float* next_out = orow + member[b] * dv;
+          for (int64_t d = 0; d < dk; d += 16) __builtin_prefetch(next_q + d);
+          for (int64_t d = 0; d < dv; d += 16) __builtin_prefetch(next_out + d, 1);
+        }
         refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());
       }
     }
