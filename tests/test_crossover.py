@@ -27,10 +27,11 @@ def test_the_crossover_is_the_first_of_two_wins_in_a_row():
     assert crossover.crossover_from(timings((64, 1, 3), (128, 2, 3), (256, 4, 3), (384, 6, 3))) == 256
     # a single noisy win does not count
     assert crossover.crossover_from(timings((64, 1, 0.5), (128, 2, 3), (256, 4, 3), (384, 6, 3))) == 256
-    # within MARGIN (0.9) is not a win
-    assert crossover.crossover_from(timings((256, 4, 3.8), (384, 6, 5.5), (512, 9, 5))) == 512
-    # never won: extrapolated from the last ratio (2 at 512 -> 512 * 2 / 0.9)
-    assert crossover.crossover_from(timings((256, 1, 3), (512, 4, 8))) == 1138
+    # within MARGIN (0.75) is not a win
+    assert crossover.MARGIN == 0.75
+    assert crossover.crossover_from(timings((256, 4, 3.8), (384, 6, 4.6), (512, 9, 5))) == 512
+    # never won: extrapolated from the last ratio (2 at 512 -> 512 * 2 / 0.75)
+    assert crossover.crossover_from(timings((256, 1, 3), (512, 4, 8))) == 1366
     assert crossover.crossover_from([]) == 0
 
 

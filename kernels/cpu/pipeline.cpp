@@ -187,7 +187,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   parallel_for(0, rh_count, grain_for(n * clusters * iterations * 32), [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) kmeans(rh);
   });
-  if (mode == Mode::kImprovedPlus) {
+  if (plus) {
     parallel_for(0, rh_count, grain_for(n * clusters * dk * std::max<int64_t>(lloyd_rounds, 1)),
                  [&](int64_t begin, int64_t end) {
                    LloydScratch scratch;
