@@ -89,8 +89,10 @@ def test_a_padded_row_equals_the_row_alone(family, side):
         keep = mask[row].bool()
         alone_positions = None if positions is None else positions[row : row + 1, keep]
         alone = run(model, ids[row : row + 1, keep], mask[row : row + 1, keep], alone_positions)
-        # measured: at most 2.4e-6 (same clusters; only the float32 summation order differs)
-        assert float((batch[row][keep] - alone.last_hidden_state[0]).abs().max()) < 2e-5
+        # Same clusters; only the float32 summation order differs (a batch's GEMMs block otherwise).
+        # Measured: at most 2.4e-6 with MKL's AVX-512 kernels, 4.5e-5 with its AVX2 ones (electra;
+        # MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 on the Xeon).
+        assert float((batch[row][keep] - alone.last_hidden_state[0]).abs().max()) < 1e-4
 
 
 def test_an_unpadded_batch_holds_no_mask_and_a_padded_one_its_own(monkeypatch):
