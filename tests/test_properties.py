@@ -356,10 +356,10 @@ def test_discrete_steps_agree_where_the_rules_fix_them(backend: str, case: Case)
         close = (mine - theirs).abs() <= SCORE_EPS * (1 + mine.abs())
         assert (close | ~swapped).all(), "a top-k rank differs between keys whose scores are not tied"
         # The kernels score every key with the same arithmetic, so duplicated keys tie exactly and the
-        # lowest index comes first. The reference's BLAS product need not: on some code paths (MKL's
-        # SSE4.2 kernels, which it takes on CPUs such as AMD's EPYC; MKL_ENABLE_INSTRUCTIONS=SSE4_2
-        # here) a key in a GEMM's edge block sums in another order, its twin's score differs by an ulp
-        # and the reference ranks the higher index first. So the rule is checked on the kernel's lists.
+        # lowest index comes first. The reference's BLAS product need not: on some of MKL's code paths
+        # (CI's AMD EPYC took one; MKL_ENABLE_INSTRUCTIONS=SSE4_2 reproduces it on the Xeon) a key in a
+        # GEMM's edge block sums in another order, its twin's score differs by an ulp and the reference
+        # ranks the higher index first. So the rule is checked on the kernel's lists.
         assert not twins_out_of_order(k, valid, got_indices).any(), (
             "duplicated keys (an exact tie) must keep the lowest index first"
         )
