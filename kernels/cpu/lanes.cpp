@@ -10,6 +10,10 @@
 
 #include "vec.h"
 
+#ifdef BC_HAVE_AVX512
+#include <immintrin.h>
+#endif
+
 namespace bert_cluster {
 namespace {
 
@@ -178,7 +182,7 @@ BC_INLINE void sort_descending(uint64_t* __restrict x, int64_t n, uint64_t* __re
 // between them. Keys known to be among the k largest stay at x[0..done). Small sets are finished by rank
 // counting; a run of bad pivots falls back to std::nth_element.
 BC_INLINE uint64_t keep_largest(uint64_t* __restrict x, int64_t n, int64_t k, uint64_t* __restrict tmp) {
-  constexpr int64_t kSmall = 48;
+  constexpr int64_t kSmall = 16;
   uint64_t* src = x;  // the keys still undecided: src[done .. done + m)
   uint64_t* dst = tmp;
   int64_t done = 0, m = n, need = k;
@@ -270,18 +274,38 @@ BC_INLINE void kth_lower_bound(const float* __restrict s, int64_t rows, int64_t 
   for (int v = 0; v < LV; ++v) store16(bound + 16 * v, low[v]);
 }
 
+// The thresholds a tile's keys must beat, per lane (thr; unused lanes: none enters). A task's first tile
+// of at least 2k rows gets its own lower bound (kth_lower_bound). Returns whether this is the first tile.
 template <int LV>
-BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
-  const int64_t lanes = top.lanes, k = top.k;
-  float thr[kLaneCount];
-  for (int c = 0; c < kLaneCount; ++c) thr[c] = c < lanes ? top.thr[c] : -kNegInf;  // unused lanes: none
+BC_INLINE bool topk_thresholds(LaneTopK& top, const float* __restrict s, int64_t rows, float* __restrict thr) {
+  for (int c = 0; c < kLaneCount; ++c) thr[c] = c < top.lanes ? top.thr[c] : -kNegInf;
   const bool first_tile = !top.started;
   top.started = true;
-  if (first_tile && rows >= 2 * k) {
+  if (first_tile && rows >= 2 * top.k) {
     float bound[kLaneCount];
-    kth_lower_bound<LV>(s, rows, k, bound);
-    for (int c = 0; c < lanes; ++c) thr[c] = std::nextafter(bound[c], kNegInf);  // x > thr: x >= bound
+    kth_lower_bound<LV>(s, rows, top.k, bound);
+    for (int c = 0; c < top.lanes; ++c) thr[c] = std::nextafter(bound[c], kNegInf);  // x > thr: x >= bound
   }
+  return first_tile;
+}
+
+// The k best of lane c's buffer, and its threshold raised to the k-th best's score.
+BC_INLINE void topk_compact(LaneTopK& top, int64_t c) {
+  top.thr[c] = LaneTopK::score_of(keep_largest(top.list(c), top.count[c], top.k, top.sort_tmp.data()));
+  top.count[c] = top.k;
+}
+
+// After the first tile: a threshold for the next tiles at once.
+BC_INLINE void topk_first_compact(LaneTopK& top) {
+  for (int c = 0; c < top.lanes; ++c)
+    if (top.count[c] > top.k) topk_compact(top, c);
+}
+
+template <int LV>
+BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
+  const int64_t lanes = top.lanes;
+  float thr[kLaneCount];
+  const bool first_tile = topk_thresholds<LV>(top, s, rows, thr);
   int64_t cnt[kLaneCount];
   count_above<LV>(s, rows, thr, cnt);
   bool any = false;
@@ -289,16 +313,13 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
     if (cnt[c] == 0) continue;
     any = true;
     if (top.count[c] + cnt[c] > top.capacity) {  // only when count > k, since cnt <= rows = capacity - k
-      uint64_t* x = top.keys.data() + c * top.capacity;
-      thr[c] = top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k, top.sort_tmp.data()));
-      top.count[c] = k;
+      topk_compact(top, c);
+      thr[c] = top.thr[c];
     }
   }
   if (!any) return;
   f32x16 g[LV];
   for (int v = 0; v < LV; ++v) g[v] = load16(thr + 16 * v);
-  uint64_t* keys = top.keys.data();
-  const int64_t capacity = top.capacity;
   for (int64_t t = 0; t < rows; ++t) {
     const float* row = s + t * kLaneCount;
     uint32_t bits = LV == 1 ? lane_bits((i32x16)(load16(row) > g[0]))
@@ -307,18 +328,70 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
       const int c = __builtin_ctz(bits);
       bits &= bits - 1;
       // Fits by the counts above (a raised threshold only takes fewer); the bound guards a miscount.
-      if (top.count[c] < capacity)
-        keys[c * capacity + top.count[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
+      if (top.count[c] < top.capacity)
+        top.list(c)[top.count[c]++] = LaneTopK::composite(s[t * kLaneCount + c], j0 + t);
     }
   }
-  if (first_tile)  // a threshold for the next tiles at once
-    for (int c = 0; c < lanes; ++c)
-      if (top.count[c] > k) {
-        uint64_t* x = top.keys.data() + c * capacity;
-        top.thr[c] = LaneTopK::score_of(keep_largest(x, top.count[c], k, top.sort_tmp.data()));
-        top.count[c] = k;
-      }
+  if (first_tile) topk_first_compact(top);
 }
+
+#ifdef BC_HAVE_AVX512
+// 32-bit lanes 8 h .. 8 h + 7 of x, zero-extended to 64 bits. (The zero-masked forms: the plain ones start
+// from an undefined register, which GCC 12 reports as maybe uninitialized.)
+BC_AVX512_TARGET BC_INLINE __m512i widen_half(__m512i x, int h) {
+  const __m256i part =
+      h == 0 ? _mm512_maskz_extracti64x4_epi64(0xF, x, 0) : _mm512_maskz_extracti64x4_epi64(0xF, x, 1);
+  return _mm512_maskz_cvtepu32_epi64(0xFF, part);
+}
+
+// topk_lanes with AVX-512: the tile is transposed 16 keys x 16 lanes at a time, and each lane's keys above
+// its threshold are built as composites and appended 8 per compress instruction (the portable loop appends
+// one key per step, after a branch on every row that mispredicts). A lane whose buffer would overflow is
+// compacted first. The buffers end up holding other keys than topk_lanes' in between, but every key that
+// leaves one is known to be outside the k best, so the k best are the same.
+template <int LV>
+BC_AVX512_TARGET void topk_lanes_compress(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
+  const int64_t lanes = top.lanes;
+  float thr[kLaneCount];
+  const bool first_tile = topk_thresholds<LV>(top, s, rows, thr);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+    const int64_t len = std::min<int64_t>(16, rows - t0);
+    // The low words of keys t0 .. t0 + 15: ~index (LaneTopK::composite)
+    const __m512i low = _mm512_sub_epi32(_mm512_set1_epi32(static_cast<int32_t>(0xFFFFFFFFu - (j0 + t0))), iota);
+    const __m512i low_a = widen_half(low, 0), low_b = widen_half(low, 1);
+    for (int v = 0; v < LV; ++v) {
+      f32x16 column[16];  // after the transpose: column[j] = lane 16 v + j's scores of the 16 keys
+      for (int64_t i = 0; i < 16; ++i)
+        column[i] = i < len ? load16(s + (t0 + i) * kLaneCount + 16 * v) : f32x16{} + kNegInf;
+      transpose16(column);
+      for (int j = 0; j < 16 && 16 * v + j < lanes; ++j) {
+        const int64_t c = 16 * v + j;
+        const __m512 x = (__m512)column[j];
+        __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(thr[c]), _CMP_GT_OQ);
+        if (above == 0) continue;
+        if (top.count[c] + __builtin_popcount(above) > top.capacity) {
+          topk_compact(top, c);
+          thr[c] = top.thr[c];
+          above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(thr[c]), _CMP_GT_OQ);
+          if (above == 0) continue;
+        }
+        // high words: the order key of the score (-0 as +0), sign bit flipped
+        const __m512i high = _mm512_xor_si512((__m512i)order_key16(column[j] + 0.0f), sign);
+        const __m512i key_a = _mm512_or_si512(_mm512_maskz_slli_epi64(0xFF, widen_half(high, 0), 32), low_a);
+        const __m512i key_b = _mm512_or_si512(_mm512_maskz_slli_epi64(0xFF, widen_half(high, 1), 32), low_b);
+        uint64_t* dst = top.list(c) + top.count[c];  // 16 free slots past the list: stride = capacity + 16
+        const __mmask8 first = static_cast<__mmask8>(above), second = static_cast<__mmask8>(above >> 8);
+        _mm512_storeu_si512(dst, _mm512_maskz_compress_epi64(first, key_a));
+        _mm512_storeu_si512(dst + __builtin_popcount(first), _mm512_maskz_compress_epi64(second, key_b));
+        top.count[c] += __builtin_popcount(above);
+      }
+    }
+  }
+  if (first_tile) topk_first_compact(top);
+}
+#endif
 
 template <int LV>
 BC_INLINE void mask_lanes(float* __restrict s, int64_t rows, const int32_t* __restrict first,
@@ -479,6 +552,16 @@ void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __r
 
 BC_MULTIVERSION
 void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors) {
+#ifdef BC_HAVE_AVX512
+  if (has_avx512()) {
+    if (lane_vectors == 1) {
+      topk_lanes_compress<1>(top, s, rows, j0);
+    } else {
+      topk_lanes_compress<2>(top, s, rows, j0);
+    }
+    return;
+  }
+#endif
   if (lane_vectors == 1) {
     topk_lanes<1>(top, s, rows, j0);
   } else {
@@ -489,7 +572,7 @@ void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane
 BC_MULTIVERSION
 void topk_finish(LaneTopK& top) {
   for (int64_t c = 0; c < top.lanes; ++c) {
-    uint64_t* x = top.keys.data() + c * top.capacity;
+    uint64_t* x = top.list(c);
     if (top.count[c] > top.k) {
       keep_largest(x, top.count[c], top.k, top.sort_tmp.data());
       top.count[c] = top.k;

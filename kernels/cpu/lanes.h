@@ -77,7 +77,8 @@ struct LaneTopK {
   int64_t k = 0;
   int64_t lanes = 0;
   int64_t capacity = 0;         // per lane: k + kKeyTile
-  std::vector<uint64_t> keys;   // lanes x capacity; after finish(), each lane's list, descending
+  int64_t stride = 0;           // per lane: capacity + 16 (a vector store may run 16 slots past a list)
+  std::vector<uint64_t> keys;   // lanes x stride; after finish(), each lane's list, descending
   std::vector<uint64_t> sort_tmp;  // capacity: scratch for the selection and the sort
   int64_t count[kLaneCount] = {};
   float thr[kLaneCount] = {};  // a key enters a lane only with a score above this
@@ -87,7 +88,8 @@ struct LaneTopK {
     k = k_;
     lanes = lanes_;
     capacity = k + kKeyTile;
-    keys.resize(capacity * kLaneCount);
+    stride = capacity + 16;
+    keys.resize(stride * kLaneCount);
     sort_tmp.resize(capacity);
     started = false;
     for (int c = 0; c < kLaneCount; ++c) {
@@ -95,7 +97,8 @@ struct LaneTopK {
       thr[c] = kNegInf;
     }
   }
-  const uint64_t* list(int64_t lane) const { return keys.data() + lane * capacity; }
+  const uint64_t* list(int64_t lane) const { return keys.data() + lane * stride; }
+  uint64_t* list(int64_t lane) { return keys.data() + lane * stride; }
 
   static uint64_t composite(float score, int64_t index) {
     const int32_t key = order_key(score + 0.0f);  // -0 -> +0: equal scores get equal keys

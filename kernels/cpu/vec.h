@@ -24,11 +24,35 @@
 #define BC_MULTIVERSION
 #endif
 
+// Code written with AVX-512 intrinsics, where the compiler can build it: compiled for x86-64-v4 (in a
+// portable build; a single-ISA build takes it only when that ISA has AVX-512) and called only on a CPU that
+// has it (has_avx512()); each such kernel keeps a portable twin that gives the same result.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12 && \
+    (!defined(BERT_CLUSTER_NO_MULTIVERSION) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)))
+#define BC_HAVE_AVX512 1
+#if defined(BERT_CLUSTER_NO_MULTIVERSION)
+#define BC_AVX512_TARGET
+#else
+#define BC_AVX512_TARGET __attribute__((target("arch=x86-64-v4")))
+#endif
+#endif
+
 // Helpers are force-inlined so that they compile with the ISA of the BC_MULTIVERSION clone calling them
 // (a plain `inline` function may stay out of line, compiled for the baseline ISA).
 #define BC_INLINE __attribute__((always_inline)) inline
 
 namespace bert_cluster {
+
+#ifdef BC_HAVE_AVX512
+// Whether this CPU runs the BC_AVX512_TARGET code (checked once).
+inline bool has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4");
+  }();
+  return has;
+}
+#endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
