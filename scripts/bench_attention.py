@@ -4,9 +4,12 @@ reference and on the compiled kernels. Prints a table and writes JSON.
 Time: median over interleaved repeats (every method once per round, so load drifts hit all alike); the
 JSON keeps every repeat, the spread (interquartile range over the median) of each case, and the load
 average before and after, to say how noisy the machine was. "x SDPA" is SDPA's median over the method's,
-measured in the same run. Memory (CPU): the peak resident set (VmHWM) of a fresh subprocess per case,
-minus its peak right before the call (inputs allocated, kernels loaded, warmed up on a tiny input): what
-one call adds at its peak. On CUDA (--device cuda): torch.cuda.max_memory_allocated over one call.
+measured in the same run. --order blocked times each method's repeats back to back instead: on a virtual
+machine whose idle vCPUs the host deschedules, a short call that follows another method's long one can
+wait milliseconds for its worker threads to run again, which interleaving charges to the short method
+alone. Memory (CPU): the peak resident set (VmHWM) of a fresh subprocess per case, minus its peak right
+before the call (inputs allocated, kernels loaded, warmed up on a tiny input): what one call adds at its
+peak. On CUDA (--device cuda): torch.cuda.max_memory_allocated over one call.
 
 Inputs: --batch rows of N tokens, or with --mixed a batch of 16 rows padded to N with lengths drawn
 between N/8 and N (what an evaluation feeds: SDPA gets the padding mask, as transformers passes it);
@@ -196,8 +199,11 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
                     call()
                     sync()
                     peaks[(method, n)] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            for _ in range(args.repeats):
-                for method, call in calls.items():
+            rounds = [list(calls.items())] * args.repeats  # interleaved: every method once per round
+            if args.order == "blocked":
+                rounds = [[(method, call)] * args.repeats for method, call in calls.items()]
+            for round_calls in rounds:
+                for method, call in round_calls:
                     sync()
                     start = time.perf_counter()
                     call()
@@ -255,11 +261,19 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
+        "--order",
+        choices=["interleaved", "blocked"],
+        default="interleaved",
+        help="every method once per round, or each method's repeats back to back",
+    )
+    parser.add_argument(
         "--max-reference-n", type=int, default=4096, help="skip the slow reference above this N"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory subprocesses")
     parser.add_argument("--output", type=Path, default=Path("results/bench_attention.json"))
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
     import torch
 
@@ -332,7 +346,7 @@ def main() -> None:
             "dtype": DTYPES[args.dtype],
         },
         "settings": SETTINGS,
-        "timing": f"median of {args.repeats} interleaved repeats after one warm-up",
+        "timing": f"median of {args.repeats} {args.order} repeats after one warm-up",
         "memory": (
             "peak torch.cuda allocated memory added by one call (max_memory_allocated)"
             if args.device == "cuda"
@@ -346,8 +360,8 @@ def main() -> None:
 
 
 def _paired_ratio(times, method: str, n: int) -> float | None:
-    """``method``'s time over the same backend's i-clustered time, the median of per-round ratios (each
-    round runs both back to back, so load drifts cancel); None for the other methods."""
+    """``method``'s time over the same backend's i-clustered time, the median of per-round ratios (in the
+    interleaved order each round runs both back to back, so load drifts cancel); None for the others."""
     backend, _, mode = method.partition("-")
     base = (f"{backend}-i-clustered", n)
     if mode in ("", "i-clustered") or (method, n) not in times or base not in times:
