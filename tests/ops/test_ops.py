@@ -305,6 +305,30 @@ def test_topk_selection_with_exact_ties(topk: int, backend: str, device: str) ->
     _close(got[3], expected[3], 1e-6, "top-k values")
 
 
+@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("clusters", [7, 25, 60])
+def test_kmeans_matches_the_reference_after_any_rounds(backend: str, device: str, clusters: int) -> None:
+    """After its first round the CPU K-means rescans only the centroids the last vote moved (and every
+    centroid for the queries whose own centroid moved away): the result after any number of rounds, and
+    the final assignment of a run cut short, must be the full scan's. Hashes drawn from a few hundred
+    values, so that many queries tie and many centroids settle early; one row padded on both sides."""
+    _require(backend)
+    generator = torch.Generator().manual_seed(clusters)
+    pool = torch.randint(0, 2**20, (300,), generator=generator)
+    hashes = pool[torch.randint(0, 300, (2, 3, 700), generator=generator)]
+    valid = torch.ones(2, 700, dtype=torch.bool)
+    valid[1, :40] = False
+    valid[1, 600:] = False
+    kernels = dispatch.BACKENDS[backend]
+    for rounds in (0, 1, 2, 3, 5, 8, 13):
+        assignments, centroid_hashes = ref.hamming_kmeans(hashes, valid, clusters, rounds, 20)
+        got_assign, got_centroids = kernels.hamming_kmeans(
+            hashes.to(device), valid.to(device), clusters, rounds, 20
+        )
+        _equal(got_assign, assignments, f"assignments after {rounds} rounds")
+        _equal(got_centroids, centroid_hashes, f"centroids after {rounds} rounds")
+
+
 def _small_args(device: str):
     case = Case(9, 3, 4, 8, 8, "fp32", True)
     q, k, v, valid, planes, offsets = (t.to(device) for t in make_inputs(case, seed=3))
