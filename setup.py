@@ -4,9 +4,13 @@ Environment:
     BERT_CLUSTER_SKIP_KERNELS=1   build no extension (the library then runs on the reference).
     BERT_CLUSTER_BUILD_CUDA=1     add the CUDA kernels (nvcc from CUDA_HOME; no GPU needed at build
                                   time; set TORCH_CUDA_ARCH_LIST, e.g. "9.0", else 8.0;9.0+PTX).
-    BERT_CLUSTER_NATIVE=1         compile the CPU code with -march=native (not portable).
-    BERT_CLUSTER_MARCH=ARCH       compile the CPU code for one ISA only, e.g. x86-64-v3 or x86-64 (to test
-                                  each of the ISA clones a portable build carries on one machine).
+    BERT_CLUSTER_NATIVE=1         compile the CPU code with -march=native only (not portable).
+    BERT_CLUSTER_MARCH=ARCH       compile the CPU code for one ISA only, e.g. x86-64-v3.
+
+The CPU kernels are compiled once per x86-64 ISA level into their own libraries
+(``bert_cluster._C_cpu_x86_64_v4`` = AVX-512, ``_v3`` = AVX2 + FMA, ``_C_cpu_x86_64`` = SSE2), of which
+``bert_cluster._loader`` loads the best the CPU runs (``BERT_CLUSTER_CPU_ISA`` picks a lower one);
+``bert_cluster._C`` carries the facts of the build and, when built with CUDA, the CUDA kernels.
 
 Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -37,7 +42,7 @@ def _extensions() -> tuple[list, dict]:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cuda = _flag("BERT_CLUSTER_BUILD_CUDA")
-    cpu_sources = sorted(glob.glob("kernels/cpu/*.cpp")) + ["kernels/module.cpp"]
+    cpu_sources = sorted(glob.glob("kernels/cpu/*.cpp"))
     version = str(torch.__version__)
     macros = [
         ("BERT_CLUSTER_TORCH_VERSION", f'"{version}"'),
@@ -46,33 +51,81 @@ def _extensions() -> tuple[list, dict]:
     # The limited API keeps one _C.abi3.so valid across Python versions (module.cpp needs no more).
     macros.append(("Py_LIMITED_API", "0x030A0000"))
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
-    march = os.environ.get("BERT_CLUSTER_MARCH", "").strip()
-    if not march and _flag("BERT_CLUSTER_NATIVE"):
-        march = "native"
-    if march:
-        cxx += [f"-march={march}", "-DBERT_CLUSTER_NO_MULTIVERSION"]
-    else:
-        # GCC's generic tuning folds every reuse of a loaded vector into a memory-operand FMA (three times
-        # the loads in the hashing and refinement loops: 25-50% slower on an AVX-512 Xeon, measured); Intel
-        # tuning keeps it in a register. Tuning only: every ISA clone still runs on every x86-64 CPU.
-        cxx += ["-mtune=skylake-avx512"]
-    kwargs = dict(name="bert_cluster._C", define_macros=macros, py_limited_api=True)
+    libraries = _cpu_libraries()
+    # Python's CFLAGS ask for -g: three CPU libraries' debug information made the build slow and each
+    # library 16 MB; symbols stay (profilers name the functions).
+    kernels = [
+        CppExtension(
+            name=f"bert_cluster._C_cpu_{label}",
+            sources=cpu_sources,
+            define_macros=macros,
+            extra_compile_args={"cxx": [*cxx, *flags, "-g0"]},
+            py_limited_api=True,
+        )
+        for label, flags, _level in libraries
+    ]
+    listing = ",".join(f"{label}:{level}" for label, _flags, level in libraries)
+    module_macros = macros + [("BERT_CLUSTER_CPU_LIBS", f'"{listing}"')]
+    kwargs = dict(name="bert_cluster._C", define_macros=module_macros, py_limited_api=True)
     if not cuda:
-        ext = CppExtension(sources=cpu_sources, extra_compile_args={"cxx": cxx}, **kwargs)
-        return [ext], {"build_ext": BuildExtension}
+        module = CppExtension(sources=["kernels/module.cpp"], extra_compile_args={"cxx": cxx}, **kwargs)
+        return [module, *kernels], {"build_ext": _build_ext_class(BuildExtension)}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     include_dirs = []
     # pip's CUDA torch ships the headers the system toolkit may lack (cusparse.h) under nvidia/cu13.
     for candidate in sorted(Path(torch.__file__).resolve().parent.parent.glob("nvidia/cu*/include")):
         include_dirs.append(str(candidate))
     nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
-    ext = CUDAExtension(
-        sources=cpu_sources + sorted(glob.glob("kernels/cuda/*.cu")),
+    module = CUDAExtension(
+        sources=["kernels/module.cpp", *sorted(glob.glob("kernels/cuda/*.cu"))],
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         **kwargs,
     )
-    return [ext], {"build_ext": BuildExtension}
+    return [module, *kernels], {"build_ext": _build_ext_class(BuildExtension)}
+
+
+def _build_ext_class(base: type) -> type:
+    """Torch's BuildExtension with a temporary folder per extension.
+
+    The CPU libraries compile the same sources with different flags: in one folder their object files
+    overwrote each other, and every build recompiled all of them.
+    """
+
+    class BuildExtensionPerFolder(base):
+        def build_extension(self, ext) -> None:  # noqa: D102 - setuptools' command protocol
+            shared = self.build_temp
+            self.build_temp = os.path.join(shared, ext.name)
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = shared
+
+    return BuildExtensionPerFolder
+
+
+def _cpu_libraries() -> list[tuple[str, list[str], int]]:
+    """(label, compiler flags, x86-64 level the CPU needs; 0: any) of each CPU kernel library, best first.
+
+    The kernels' 64-byte vectors (kernels/cpu/simd.h) are one register with AVX-512 and a struct of two or
+    four registers below it; GCC compiles each only for one ISA at a time, hence one library per level.
+    """
+    march = os.environ.get("BERT_CLUSTER_MARCH", "").strip()
+    if not march and _flag("BERT_CLUSTER_NATIVE"):
+        march = "native"
+    if march:
+        return [(march.replace("-", "_"), [f"-march={march}"], 0)]
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [("generic", [], 0)]
+    # GCC's generic tuning folds every reuse of a loaded vector into a memory-operand FMA (three times the
+    # loads in the hashing and refinement loops: 25-50% slower on an AVX-512 Xeon, measured); Intel tuning
+    # keeps it in a register. Tuning only: each library runs on every CPU of its level.
+    tune = ["-mtune=skylake-avx512"]
+    return [
+        ("x86_64_v4", ["-march=x86-64-v4", *tune], 4),
+        ("x86_64_v3", ["-march=x86-64-v3", *tune], 3),
+        ("x86_64", ["-march=x86-64", *tune], 1),
+    ]
 
 
 class BuildPyWithConfigs(build_py):

@@ -56,6 +56,8 @@ def build_info() -> dict[str, Any]:
         "kernels_path": state.get("path"),
         "kernels_built_for_torch": state["torch_version"],
         "kernels_with_cuda": state["with_cuda"],
+        "kernels_cpu_isa": state.get("cpu_isa"),
+        "kernels_cpu_isas_built": state.get("cpu_isas") or [],
         "kernels_disabled_by_env": os.environ.get("BERT_CLUSTER_DISABLE_KERNELS", "") not in ("", "0"),
         "backend_env": os.environ.get("BERT_CLUSTER_BACKEND") or None,
         "backends": dispatch.describe(),

@@ -1,9 +1,15 @@
-"""Guarded import of the compiled kernels (``bert_cluster._C``) and why it failed: nothing else.
+"""Guarded import of the compiled kernels and why it failed: nothing else.
+
+The build (setup.py) makes ``bert_cluster._C``, which carries its facts and, when built with CUDA, the
+CUDA kernels, and one CPU kernel library per x86-64 ISA level (``_C_cpu_x86_64_v4`` with AVX-512,
+``_C_cpu_x86_64_v3`` with AVX2 + FMA, ``_C_cpu_x86_64``); ``load()`` imports ``_C`` and loads the best
+CPU library this CPU runs, or the one ``$BERT_CLUSTER_CPU_ISA`` names (a lower level: to measure or test
+another ISA's kernels on one machine). All of them give the same results.
 
 Nothing here runs at ``import bert_cluster``, and this module imports nothing from the package (so it
 sits below ``ops``, ``dispatch`` and ``_build`` with no import circle). ``bert_cluster.ops.load_kernels``
-calls ``load()`` once the op schemas exist; ``_C``'s ``TORCH_LIBRARY_IMPL`` blocks then register the CPU
-and CUDA implementations. A failure (absent, built for another torch, another import error) is stored,
+calls ``load()`` once the op schemas exist; the libraries' ``TORCH_LIBRARY_IMPL`` blocks then register the
+CPU and CUDA implementations. A failure (absent, built for another torch, another import error) is stored,
 reported once as a ``RuntimeWarning``, and the library runs on the reference.
 """
 
@@ -12,13 +18,18 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 BUILD_HINT = "build it with `pip install --no-build-isolation -e .` or `bert-cluster kernels build`"
 
+#: Names the built CPU kernel library (``x86_64_v3``, or ``x86-64-v3``, ...) to load instead of the best.
+ISA_ENV = "BERT_CLUSTER_CPU_ISA"
+
 _state: dict[str, Any] | None = None  # filled by load(); read by everything else
+_cpu_library: list[str] = []  # the CPU kernel library this process loaded (torch cannot unload one)
 _warned = False
 
 
@@ -32,7 +43,16 @@ def load() -> dict[str, Any]:
     global _state
     if _state is not None:
         return _state
-    state: dict[str, Any] = {"loaded": False, "reason": "", "torch_version": None, "with_cuda": False}
+    state: dict[str, Any] = {
+        "loaded": False,
+        "reason": "",
+        "torch_version": None,
+        "with_cuda": False,
+        "cpu_isa": None,
+        "cpu_isas": [],
+        "cpu_library": None,
+        "cpu_level": 0,
+    }
     try:
         module = importlib.import_module("bert_cluster._C")
     except ModuleNotFoundError as error:
@@ -63,11 +83,72 @@ def load() -> dict[str, Any]:
                 f"built for another torch ({built_for}, running {torch.__version__}); rebuild: {BUILD_HINT}"
             )
         else:
-            state["loaded"] = True
+            state["reason"] = _load_cpu_library(module, state)
+            state["loaded"] = not state["reason"]
     _state = state
     if not state["loaded"]:
         _warn_once(state["reason"])
     return state
+
+
+def cpu_libraries(module: Any) -> list[tuple[str, int]]:
+    """(label, x86-64 level it needs; 0: any CPU) of each CPU kernel library the build made, best first."""
+    listing = str(getattr(module, "CPU_LIBS", "") or "")
+    libraries = []
+    for item in filter(None, listing.split(",")):
+        label, _, level = item.partition(":")
+        libraries.append((label, int(level or 0)))
+    return libraries
+
+
+def choose_cpu_library(libraries: list[tuple[str, int]], cpu_level: int, requested: str | None) -> str:
+    """The label of the best library the CPU runs, or of ``requested`` (refused if the CPU lacks its ISA).
+
+    Raises:
+        ValueError: ``requested`` names no built library, or one this CPU cannot run.
+    """
+    runnable = [label for label, level in libraries if level <= cpu_level]
+    if requested:
+        wanted = requested.strip().replace("-", "_")
+        built = [label for label, _ in libraries]
+        if wanted not in built:
+            raise ValueError(
+                f"{ISA_ENV}={requested!r} names no CPU kernel library of this build; built: {built}"
+            )
+        if wanted not in runnable:
+            raise ValueError(f"{ISA_ENV}={requested!r}: this CPU lacks that ISA; it runs: {runnable}")
+        return wanted
+    if not runnable:
+        built = [label for label, _ in libraries]
+        raise ValueError(f"this CPU runs none of the CPU kernel libraries built: {built}")
+    return runnable[0]
+
+
+def _load_cpu_library(module: Any, state: dict[str, Any]) -> str:
+    """Load the CPU kernel library for this CPU into torch (its ops register); the reason if not, else ''."""
+    libraries = cpu_libraries(module)
+    state["cpu_isas"] = [label for label, _ in libraries]
+    state["cpu_level"] = int(getattr(module, "CPU_LEVEL", 0))
+    if not libraries:
+        return f"bert_cluster._C lists no CPU kernel library (an older build?); rebuild: {BUILD_HINT}"
+    try:
+        label = choose_cpu_library(libraries, state["cpu_level"], os.environ.get(ISA_ENV))
+    except ValueError as error:
+        return str(error)
+    folder = Path(getattr(module, "__file__", "") or ".").parent
+    found = sorted(p for p in folder.glob(f"_C_cpu_{label}.*") if p.suffix in (".so", ".pyd", ".dylib"))
+    if not found:
+        return f"the CPU kernel library {label} is missing next to {folder / '_C'}; rebuild: {BUILD_HINT}"
+    path = str(found[0])
+    if _cpu_library and _cpu_library[0] != path:
+        return f"this process already loaded {_cpu_library[0]} (a process loads one CPU kernel library)"
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as error:  # undefined symbol (another libtorch), a duplicate registration
+        return f"the CPU kernel library {found[0].name} did not load: {error}; rebuild: {BUILD_HINT}"
+    _cpu_library[:] = [path]
+    state.update(cpu_isa=label, cpu_library=path)
+    return ""
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:

@@ -4,7 +4,8 @@ Clustering has a fixed cost (hashing, K-means, C centroid rows over all keys, th
 exact attention does not; below some row length N exact attention is faster. That length depends on
 the backend and the machine, so it is measured, once per
 
-    (backend, device model, torch and bert-cluster versions, threads, heads, head dims, dtype, settings)
+    (backend, the CPU kernels' ISA, device model, torch and bert-cluster versions, threads, heads, head
+     dims, dtype, settings)
 
 and kept in a JSON file in the user cache folder (``$BERT_CLUSTER_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/bert-cluster``, else ``~/.cache/bert-cluster``), so every later process reuses it.
@@ -88,10 +89,12 @@ def _device_model(device: torch.device) -> str:
 
 def facts(backend: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config) -> dict:
     """What the crossover depends on: the cache key."""
-    from bert_cluster import __version__
+    from bert_cluster import __version__, ops
 
     return {
         "backend": backend.name,
+        # the CPU kernel library's ISA: AVX2 and AVX-512 kernels cross over at different lengths
+        "kernels": ops.load_kernels().get("cpu_isa") if backend.name == "cpu" else None,
         "device": _device_model(query.device),
         "torch": str(torch.__version__),
         "bert_cluster": __version__,

@@ -336,7 +336,11 @@ def main() -> None:
             "load_average_after": load_after,
         },
         "torch": str(torch.__version__),
-        "kernels": {k: info[k] for k in ("kernels_loaded", "kernels_reason", "compiler")},
+        "kernels": {
+            k: info.get(k) for k in ("kernels_loaded", "kernels_reason", "compiler", "kernels_cpu_isa")
+        },
+        # torch's own ISA (ATEN_CPU_CAPABILITY lowers it, as BERT_CLUSTER_CPU_ISA lowers the kernels')
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "device": args.device,
         "shape": {
             "rows": MIXED_ROWS if args.mixed else args.batch,

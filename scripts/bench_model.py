@@ -150,6 +150,8 @@ def main() -> None:
         "torch": str(torch.__version__),
         "threads": args.threads,
         "kernels_loaded": info["kernels_loaded"],
+        "kernels_cpu_isa": info.get("kernels_cpu_isa"),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "settings": {"clusters": args.clusters, "topk": args.topk},
         "auto_crossovers": measured,
         "timing": f"median of {args.repeats} interleaved forward passes after one warm-up; "

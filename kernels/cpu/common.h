@@ -1,6 +1,6 @@
 // What the CPU kernels share besides vec.h: reading (R, H, N, D) tensors in place (any strides except
 // the last dim, so HF's (B, L, H, D)-transposed layout costs no copy) and the input dtype as a small code
-// that one multiversioned function switches on (target_clones cannot be put on templates).
+// that one function switches on, calling the kernel's template for that dtype.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -22,11 +22,6 @@
 namespace bert_cluster {
 namespace {
 
-// GCC vector extensions: lowered to the widest registers of each BC_MULTIVERSION clone.
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-typedef int64_t i64x8 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
 // Hashes of `count` query rows (`stride` elements apart, dk values each): bit b is [q . w_b + o_b > 0].
 // planes_t is (dk, 64): the planes transposed and zero-padded to 64, so the projections of a query
 // accumulate in NB 16-lane vectors (NB = ceil(B / 16)), with no (N, B) projection matrix in memory; the
@@ -60,7 +55,11 @@ template <int NB, typename T>
 BC_INLINE void hash_rows_nb(const T* q, int64_t stride, const float* __restrict planes_t,
                             const float* __restrict offsets, int64_t count, int64_t dk, int64_t bits,
                             int64_t* __restrict out, float* __restrict buf) {
-  constexpr int QB = NB <= 2 ? 4 : 3;
+  // As many queries as keep their accumulators in registers (32 AVX-512 registers, 16 below): at 64 bits,
+  // 6 queries with AVX-512 and 1 with AVX2 (one query: 8 registers), measured 64 -> 53 and 305 -> 123 ns
+  // per query against 3 queries each.
+  constexpr int kAccumulators = kNativeBytes == 64 ? 24 : 8, per_query = NB * (64 / kNativeBytes);
+  constexpr int QB = std::clamp(kAccumulators / per_query, 1, 8);
   f32x16 off[NB];
   for (int b = 0; b < NB; ++b) off[b] = load16(offsets + 16 * b);
   const uint64_t mask = bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
@@ -100,9 +99,8 @@ BC_INLINE void hash_rows_t(const T* q, int64_t stride, const float* planes_t, co
 }
 
 // Rows [begin, end) of the flattened (R * H * N) queries, cut at (row, head) boundaries.
-BC_MULTIVERSION
 void hash_range(const HashJob& job, int64_t begin, int64_t end) {
-  std::vector<float> buf(4 * std::max<int64_t>(job.dk, 1));
+  std::vector<float> buf(8 * std::max<int64_t>(job.dk, 1));  // QB <= 8 widened rows
   for (int64_t x = begin; x < end;) {
     const int64_t rh = x / job.n, i = x % job.n, r = rh / job.heads, h = rh % job.heads;
     const int64_t count = std::min(end, (rh + 1) * job.n) - x;
@@ -154,8 +152,8 @@ __attribute__((always_inline)) inline void scan_body(const u64x8* __restrict h, 
     const uint64_t c = static_cast<uint64_t>(list[i]), centroid = cent[c];
     for (int v = 0; v < kScanVectors; ++v) {
       const u64x8 key = (pop(h[v] ^ centroid) << 32) | c;
-      b[v] = key < b[v] ? key : b[v];
-      o[v] = mine[v] == c ? key : o[v];
+      b[v] = select(key < b[v], key, b[v]);
+      o[v] = select(mine[v] == c, key, o[v]);
     }
   }
   for (int v = 0; v < kScanVectors; ++v) {
@@ -189,11 +187,28 @@ __attribute__((always_inline)) inline u64x8 popcount8(u64x8 x) {
   return x & 0x7FULL;
 }
 
-struct SwarPopcount {
-  __attribute__((always_inline)) u64x8 operator()(u64x8 x) const { return popcount8(x); }
+struct PortablePopcount {
+  __attribute__((always_inline)) u64x8 operator()(u64x8 x) const {
+#if BC_NATIVE_BYTES == 32 && defined(__AVX2__)
+    // AVX2 has no vector popcount: each byte's bits from a 16-entry table of nibbles (two byte shuffles),
+    // summed per 64-bit lane by a sum of absolute differences; half the instructions of the shifts and
+    // adds, the same counts.
+    const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3,
+                                           1, 2, 2, 3, 2, 3, 3, 4);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int k = 0; k < u64x8::kParts; ++k) {
+      const __m256i v = reinterpret_cast<__m256i>(x.p[k]);
+      const __m256i bytes = _mm256_add_epi8(_mm256_shuffle_epi8(table, _mm256_and_si256(v, low)),
+                                            _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low)));
+      x.p[k] = reinterpret_cast<u64x8::Part>(_mm256_sad_epu8(bytes, _mm256_setzero_si256()));
+    }
+    return x;
+#else
+    return popcount8(x);
+#endif
+  }
 };
 
-BC_MULTIVERSION
 void block_portable(const uint64_t* hashes, const bool* valid, int64_t i0, int64_t len, uint64_t mask,
                     const uint64_t* cent, const int32_t* list, int64_t count, bool full, uint64_t* keys,
                     int64_t* assign, BlockOut& out) {
@@ -205,7 +220,7 @@ void block_portable(const uint64_t* hashes, const bool* valid, int64_t i0, int64
     h[v] &= mask;
     best[v] = own[v] = old[v];
   }
-  scan_body(h, old, cent, list, count, best, own, SwarPopcount{});
+  scan_body(h, old, cent, list, count, best, own, PortablePopcount{});
   out.changed = out.again = 0;
   for (int64_t j = 0; j < len; ++j) {
     const int64_t i = i0 + j;
@@ -222,13 +237,12 @@ void block_portable(const uint64_t* hashes, const bool* valid, int64_t i0, int64
   }
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12 && \
-    (!defined(BERT_CLUSTER_NO_MULTIVERSION) || defined(__AVX512VPOPCNTDQ__))
+#if defined(BC_HAVE_AVX512) && defined(__GNUC__) && !defined(__clang__)
 #define BC_HAVE_VPOPCNT 1
-#if defined(BERT_CLUSTER_NO_MULTIVERSION)  // -march=native builds: the function takes the command line's ISA
+#if defined(__AVX512VPOPCNTDQ__)  // -march=native builds on such a CPU
 #define BC_VPOPCNT_TARGET
-#else
-#define BC_VPOPCNT_TARGET __attribute__((target("arch=x86-64-v4,avx512vpopcntdq")))
+#else  // x86-64-v4 lacks VPOPCNTQ (Ice Lake and Zen 4 have it, Skylake-X not): checked at run time
+#define BC_VPOPCNT_TARGET __attribute__((target("avx512vpopcntdq")))
 #endif
 // block_portable with AVX-512: VPOPCNTQ, masked loads for a partial block, and the bookkeeping of 8
 // queries in a few mask instructions instead of a loop (the intrinsics do not inline into scan_body, so
@@ -284,7 +298,7 @@ void block_vpopcnt(const uint64_t* hashes, const bool* valid, int64_t i0, int64_
 BlockFn pick_block() {
 #ifdef BC_HAVE_VPOPCNT
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vpopcntdq")) return block_vpopcnt;
+  if (__builtin_cpu_supports("avx512vpopcntdq")) return block_vpopcnt;
 #endif
   return block_portable;
 }
@@ -292,24 +306,25 @@ BlockFn pick_block() {
 // Per-cluster member counts and per-bit counts of ones (64 uint32 per cluster). Each hash is spread to 64
 // bytes (byte b = bit b: one in-lane byte shuffle and a test), added to 8-bit counters of its cluster, and
 // a cluster's 8-bit counters are flushed into the 32-bit ones before they can overflow (every 255 members).
-typedef uint8_t u8x64 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-BC_MULTIVERSION
+#if BC_NATIVE_BYTES < 64
+alignas(64) constexpr uint64_t kByteShifts[8] = {0, 8, 16, 24, 32, 40, 48, 56};
+#endif
+
 void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict assign, int64_t n, int64_t clusters,
                 uint32_t* __restrict ones, int64_t* __restrict members, uint8_t* __restrict small,
                 int32_t* __restrict pending) {
-  const u8x64 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
-                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
-                     1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  alignas(64) static const uint8_t kBit[64] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                                               1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                                               1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                                               1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const u8x64 bit = load_vec<u8x64>(kBit);
   auto flush = [&](int64_t c) {
     for (int q = 0; q < 4; ++q) {
-      u8x16 part;
-      std::memcpy(&part, small + c * 64 + 16 * q, sizeof(part));
-      u32x16 wide = __builtin_convertvector(part, u32x16), total;
-      std::memcpy(&total, ones + c * 64 + 16 * q, sizeof(total));
-      total += wide;
-      std::memcpy(ones + c * 64 + 16 * q, &total, sizeof(total));
+      const u8x16 part = load_vec<u8x16>(small + c * 64 + 16 * q);
+      u32x16 total = load_vec<u32x16>(ones + c * 64 + 16 * q);
+      total += convert<u32x16>(part);
+      store_vec(ones + c * 64 + 16 * q, total);
     }
     std::memset(small + c * 64, 0, 64);
     pending[c] = 0;
@@ -318,19 +333,22 @@ void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict ass
     const int64_t c = assign[i];
     if (c < 0) continue;
     members[c] += 1;
+    // byte b takes byte b / 8 of the hash
+#if BC_NATIVE_BYTES == 64
     u64x8 h = {};
     h += hashes[i];
-    u8x64 bytes;
-    std::memcpy(&bytes, &h, sizeof(bytes));
-    // byte b takes byte b / 8 of the hash (all copies of the hash sit in every 16-byte lane)
+    u8x64 bytes = bitcast<u8x64>(h);  // all copies of the hash sit in every 16-byte lane: one in-lane shuffle
     bytes = __builtin_shufflevector(bytes, bytes, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18, 18, 18,
                                     18, 18, 18, 18, 19, 19, 19, 19, 19, 19, 19, 19, 36, 36, 36, 36, 36, 36, 36, 36,
                                     37, 37, 37, 37, 37, 37, 37, 37, 54, 54, 54, 54, 54, 54, 54, 54, 55, 55, 55, 55,
                                     55, 55, 55, 55);
-    u8x64 count;
-    std::memcpy(&count, small + c * 64, sizeof(count));
-    count -= (u8x64)((bytes & bit) != 0);
-    std::memcpy(small + c * 64, &count, sizeof(count));
+#else
+    const u64x8 shifts = load_vec<u64x8>(kByteShifts);
+    const u8x64 bytes = bitcast<u8x64>(((u64x8{} + hashes[i]) >> shifts & 0xFFULL) * 0x0101010101010101ULL);
+#endif
+    u8x64 count = load_vec<u8x64>(small + c * 64);
+    count -= bitcast<u8x64>((bytes & bit) != 0);
+    store_vec(small + c * 64, count);
     if (++pending[c] == 255) flush(c);
   }
   for (int64_t c = 0; c < clusters; ++c)
@@ -340,7 +358,6 @@ void count_bits(const uint64_t* __restrict hashes, const int64_t* __restrict ass
 // Moves query hash `h` from cluster `from` to cluster `to` in the bit counts (-1: none), as count_bits
 // would count the new partition: the counts are integers, so updating those of the queries that moved
 // gives exactly the recount (which after the first rounds touches a few queries instead of all).
-BC_MULTIVERSION
 void move_bits(uint64_t h, int64_t from, int64_t to, uint32_t* __restrict ones, int64_t* __restrict members) {
   u32x16 lane;
   for (int j = 0; j < 16; ++j) lane[j] = static_cast<uint32_t>(j);
@@ -348,16 +365,14 @@ void move_bits(uint64_t h, int64_t from, int64_t to, uint32_t* __restrict ones, 
     const u32x16 word = u32x16{} + static_cast<uint32_t>(h >> (16 * w));
     const u32x16 bits = (word >> lane) & 1u;
     if (from >= 0) {
-      u32x16 total;
-      std::memcpy(&total, ones + from * 64 + 16 * w, sizeof(total));
+      u32x16 total = load_vec<u32x16>(ones + from * 64 + 16 * w);
       total -= bits;
-      std::memcpy(ones + from * 64 + 16 * w, &total, sizeof(total));
+      store_vec(ones + from * 64 + 16 * w, total);
     }
     if (to >= 0) {
-      u32x16 total;
-      std::memcpy(&total, ones + to * 64 + 16 * w, sizeof(total));
+      u32x16 total = load_vec<u32x16>(ones + to * 64 + 16 * w);
       total += bits;
-      std::memcpy(ones + to * 64 + 16 * w, &total, sizeof(total));
+      store_vec(ones + to * 64 + 16 * w, total);
     }
   }
   if (from >= 0) members[from] -= 1;
@@ -366,7 +381,6 @@ void move_bits(uint64_t h, int64_t from, int64_t to, uint32_t* __restrict ones, 
 
 // New centroid bits: 2 * ones > members -> 1, < -> 0, equal (a tie, or an empty cluster) -> the old bit.
 // Returns how many centroids changed, listed in `moved`.
-BC_MULTIVERSION
 int64_t majority_update(const uint32_t* __restrict ones, const int64_t* __restrict members, int64_t clusters,
                         uint64_t mask, uint64_t* __restrict cent, int32_t* __restrict moved) {
   int64_t count = 0;
@@ -374,9 +388,7 @@ int64_t majority_update(const uint32_t* __restrict ones, const int64_t* __restri
     const int32_t m = static_cast<int32_t>(members[c]);
     uint64_t above = 0, below = 0;
     for (int w = 0; w < 4; ++w) {
-      i32x16 twice;
-      std::memcpy(&twice, ones + c * 64 + 16 * w, sizeof(twice));
-      twice = twice * 2;
+      const i32x16 twice = load_vec<i32x16>(ones + c * 64 + 16 * w) * 2;
       above |= static_cast<uint64_t>(lane_bits((i32x16)(twice > m))) << (16 * w);
       below |= static_cast<uint64_t>(lane_bits((i32x16)(twice < m))) << (16 * w);
     }

@@ -1,4 +1,4 @@
-// The kernels of lanes.h (see there); one BC_MULTIVERSION entry point per kernel, templates inside.
+// The kernels of lanes.h (see there); one entry point per kernel, templates inside.
 #include "lanes.h"
 
 #include <algorithm>
@@ -17,8 +17,6 @@
 namespace bert_cluster {
 namespace {
 
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-typedef int64_t i64x8 __attribute__((vector_size(64)));
 
 // Scores of KB keys (rows of `k`, `kstride` floats apart) against LV * 16 lanes (qt: dk x kLaneCount,
 // lane-major): s[i][lane] = scaling * sum_d k[i][d] * qt[d][lane].
@@ -43,7 +41,9 @@ BC_INLINE void score_keys(const float* __restrict qt, const float* __restrict k,
 template <int LV>
 BC_INLINE void score_rows(const float* __restrict qt, const float* __restrict k, int64_t kstride, int64_t rows,
                           int64_t dk, float scaling, float* __restrict s) {
-  constexpr int KB = LV == 1 ? 8 : 6;
+  // Keys per pass, so that the KB x LV accumulators stay in registers (32 with AVX-512; 16 with AVX2, where
+  // each takes 2).
+  constexpr int KB = kNativeBytes == 64 ? (LV == 1 ? 8 : 6) : (LV == 1 ? 4 : 2);
   int64_t t = 0;
   for (; t + KB <= rows; t += KB) score_keys<LV, KB>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
   for (; t < rows; ++t) score_keys<LV, 1>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
@@ -72,8 +72,9 @@ BC_INLINE void accumulate_lanes(const float* __restrict p, const float* __restri
 template <int CB>
 BC_INLINE void accumulate_chunks(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
                                  float* __restrict acc, int64_t astride, int64_t dvp) {
+  constexpr int NV = kNativeBytes == 64 ? 4 : 2;  // 16-float chunks per pass (CB x NV accumulators)
   int64_t d = 0;
-  for (; d + 64 <= dvp; d += 64) accumulate_lanes<CB, 4>(p, v + d, vstride, rows, acc + d, astride);
+  for (; d + 16 * NV <= dvp; d += 16 * NV) accumulate_lanes<CB, NV>(p, v + d, vstride, rows, acc + d, astride);
   switch ((dvp - d) / 16) {
     case 3: accumulate_lanes<CB, 3>(p, v + d, vstride, rows, acc + d, astride); break;
     case 2: accumulate_lanes<CB, 2>(p, v + d, vstride, rows, acc + d, astride); break;
@@ -82,11 +83,14 @@ BC_INLINE void accumulate_chunks(const float* __restrict p, const float* __restr
   }
 }
 
-// Every lane in [0, lanes): acc rows grow by p^T v, five lanes per pass over the tile's values.
+// Every lane in [0, lanes): acc rows grow by p^T v, five lanes per pass over the tile's values (two below
+// AVX-512, whose 16 registers hold fewer accumulators). Each sum runs over the tile's rows in order, however
+// the lanes and chunks are blocked.
 BC_INLINE void accumulate_all(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
                                int64_t lanes, float* __restrict acc, int64_t dvp) {
+  constexpr int CB = kNativeBytes == 64 ? 5 : 2;
   int64_t c = 0;
-  for (; c + 5 <= lanes; c += 5) accumulate_chunks<5>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp);
+  for (; c + CB <= lanes; c += CB) accumulate_chunks<CB>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp);
   switch (lanes - c) {
     case 4: accumulate_chunks<4>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
     case 3: accumulate_chunks<3>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
@@ -106,7 +110,7 @@ BC_INLINE void softmax_lanes(float* __restrict s, int64_t rows, int64_t lanes, f
   for (int64_t t = 0; t < rows; ++t)
     for (int v = 0; v < LV; ++v) {
       const f32x16 x = load16(s + t * kLaneCount + 16 * v);
-      mx[v] = x > mx[v] ? x : mx[v];
+      mx[v] = select(x > mx[v], x, mx[v]);
     }
   f32x16 mv[LV];
   for (int v = 0; v < LV; ++v) {
@@ -129,7 +133,7 @@ BC_INLINE void softmax_lanes(float* __restrict s, int64_t rows, int64_t lanes, f
     for (int v = 0; v < LV; ++v) {
       float* p = s + t * kLaneCount + 16 * v;
       const f32x16 x = load16(p);
-      const f32x16 e = x == neg_inf ? f32x16{} : fast_exp16(x - mv[v]);
+      const f32x16 e = select(x == neg_inf, f32x16{}, fast_exp16(x - mv[v]));
       sum[v] += e;
       store16(p, e);
     }
@@ -154,7 +158,7 @@ BC_INLINE void rank_largest(const uint64_t* __restrict x, int64_t n, int64_t kee
     }
     for (int64_t i = 0; i < n; ++i) {
       const u64x8 key = u64x8{} + x[i];
-      for (int b = 0; b < kBlocks; ++b) above[b] -= (i64x8)(key > v[b]);
+      for (int b = 0; b < kBlocks; ++b) above[b] -= (key > v[b]);
     }
     for (int b = 0; b < kBlocks; ++b)
       for (int j = 0; j < 8; ++j) {
@@ -237,7 +241,7 @@ BC_INLINE void count_above(const float* __restrict s, int64_t rows, const float*
     n[v] = i32x16{};
   }
   for (int64_t t = 0; t < rows; ++t)
-    for (int v = 0; v < LV; ++v) n[v] -= (i32x16)(load16(s + t * kLaneCount + 16 * v) > g[v]);
+    for (int v = 0; v < LV; ++v) n[v] -= (load16(s + t * kLaneCount + 16 * v) > g[v]);
   for (int v = 0; v < LV; ++v)
     for (int j = 0; j < 16; ++j) count[16 * v + j] = n[v][j];
 }
@@ -263,13 +267,13 @@ BC_INLINE void kth_lower_bound(const float* __restrict s, int64_t rows, int64_t 
       for (int v = 0; v < LV; ++v) {
         f32x16 x = load16(s + t * kLaneCount + 16 * v);
         for (int j = 0; j < kTop - 1; ++j) {
-          const f32x16 larger = x > top[v][j] ? x : top[v][j];
-          x = x > top[v][j] ? top[v][j] : x;
+          const f32x16 larger = select(x > top[v][j], x, top[v][j]);
+          x = select(x > top[v][j], top[v][j], x);
           top[v][j] = larger;
         }
-        top[v][kTop - 1] = x > top[v][kTop - 1] ? x : top[v][kTop - 1];
+        top[v][kTop - 1] = select(x > top[v][kTop - 1], x, top[v][kTop - 1]);
       }
-    for (int v = 0; v < LV; ++v) low[v] = top[v][kTop - 1] < low[v] ? top[v][kTop - 1] : low[v];
+    for (int v = 0; v < LV; ++v) low[v] = select(top[v][kTop - 1] < low[v], top[v][kTop - 1], low[v]);
   }
   for (int v = 0; v < LV; ++v) store16(bound + 16 * v, low[v]);
 }
@@ -338,7 +342,7 @@ BC_INLINE void topk_lanes(LaneTopK& top, const float* __restrict s, int64_t rows
 #ifdef BC_HAVE_AVX512
 // 32-bit lanes 8 h .. 8 h + 7 of x, zero-extended to 64 bits. (The zero-masked forms: the plain ones start
 // from an undefined register, which GCC 12 reports as maybe uninitialized.)
-BC_AVX512_TARGET BC_INLINE __m512i widen_half(__m512i x, int h) {
+BC_INLINE __m512i widen_half(__m512i x, int h) {
   const __m256i part =
       h == 0 ? _mm512_maskz_extracti64x4_epi64(0xF, x, 0) : _mm512_maskz_extracti64x4_epi64(0xF, x, 1);
   return _mm512_maskz_cvtepu32_epi64(0xFF, part);
@@ -350,7 +354,7 @@ BC_AVX512_TARGET BC_INLINE __m512i widen_half(__m512i x, int h) {
 // compacted first. The buffers end up holding other keys than topk_lanes' in between, but every key that
 // leaves one is known to be outside the k best, so the k best are the same.
 template <int LV>
-BC_AVX512_TARGET void topk_lanes_compress(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
+void topk_lanes_compress(LaneTopK& top, const float* __restrict s, int64_t rows, int64_t j0) {
   const int64_t lanes = top.lanes;
   float thr[kLaneCount];
   const bool first_tile = topk_thresholds<LV>(top, s, rows, thr);
@@ -401,7 +405,7 @@ BC_INLINE void mask_lanes(float* __restrict s, int64_t rows, const int32_t* __re
     for (int v = 0; v < LV; ++v) {
       float* p = s + t * kLaneCount + 16 * v;
       const i32x16 keep = first_lanes(last[t] + 1 - 16 * v) & ~first_lanes(first[t] - 16 * v);
-      store16(p, keep ? load16(p) : neg_inf);
+      store16(p, select(keep, load16(p), neg_inf));
     }
 }
 
@@ -416,7 +420,6 @@ BC_INLINE void widen_rows(const Rows& src, int64_t r, int64_t h, int64_t j0, int
 
 }  // namespace
 
-BC_MULTIVERSION
 void widen_row(InputType type, const void* src, float* dst, int64_t n) {
   switch (type) {
     case InputType::kFloat32: std::memcpy(dst, src, n * sizeof(float)); break;
@@ -425,7 +428,6 @@ void widen_row(InputType type, const void* src, float* dst, int64_t n) {
   }
 }
 
-BC_MULTIVERSION
 const float* float_rows(const Rows& src, InputType type, int64_t r, int64_t h, int64_t j0, int64_t rows, int64_t d,
                         int64_t width, bool in_place_ok, float* buf, int64_t* stride) {
   *stride = width;
@@ -455,7 +457,6 @@ const float* value_rows(const Rows& src, InputType type, int64_t r, int64_t h, i
   return out;
 }
 
-BC_MULTIVERSION
 void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
                 int lane_vectors, float* s) {
   if (lane_vectors == 1) {
@@ -465,7 +466,6 @@ void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, 
   }
 }
 
-BC_MULTIVERSION
 void mask_tile(float* s, int64_t rows, const int32_t* first, const int32_t* last, int lane_vectors) {
   if (lane_vectors == 1) {
     mask_lanes<1>(s, rows, first, last);
@@ -474,7 +474,6 @@ void mask_tile(float* s, int64_t rows, const int32_t* first, const int32_t* last
   }
 }
 
-BC_MULTIVERSION
 void softmax_tile(float* s, int64_t rows, int64_t lanes, int lane_vectors, float* m, float* z, float* acc,
                   int64_t dvp) {
   if (lane_vectors == 1) {
@@ -484,13 +483,11 @@ void softmax_tile(float* s, int64_t rows, int64_t lanes, int lane_vectors, float
   }
 }
 
-BC_MULTIVERSION
 void accumulate_tile(const float* p, const float* v, int64_t vstride, int64_t rows, int64_t lanes, float* acc,
                      int64_t dvp) {
   accumulate_all(p, v, vstride, rows, lanes, acc, dvp);
 }
 
-BC_MULTIVERSION
 void weighted_rows(const float* w, const float* const* rows, int64_t count, int64_t dv, float* out) {
   int64_t d = 0;
   for (; d + 64 <= dv; d += 64) {
@@ -516,7 +513,6 @@ void weighted_rows(const float* w, const float* const* rows, int64_t count, int6
     for (int64_t j = 0; j < count; ++j) out[d] += w[j] * rows[j][d];
 }
 
-BC_MULTIVERSION
 void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) store16(out + i, fast_exp16(load16(x + i) - shift) * scale);
@@ -525,7 +521,6 @@ void exp_shifted(const float* x, int64_t n, float shift, float scale, float* out
 
 // kt (dk x kvp) = rows[0..kv) (dk floats each) transposed, zero-padded to kvp = pad16(kv) columns, in
 // 16 x 16 register blocks.
-BC_MULTIVERSION
 void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __restrict kt) {
   const int64_t kvp = pad16(kv);
   float part[16];
@@ -550,7 +545,6 @@ void transpose_rows(const float* const* rows, int64_t kv, int64_t dk, float* __r
   }
 }
 
-BC_MULTIVERSION
 void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane_vectors) {
 #ifdef BC_HAVE_AVX512
   if (has_avx512()) {
@@ -569,7 +563,6 @@ void topk_tile(LaneTopK& top, const float* s, int64_t rows, int64_t j0, int lane
   }
 }
 
-BC_MULTIVERSION
 void topk_finish(LaneTopK& top) {
   for (int64_t c = 0; c < top.lanes; ++c) {
     uint64_t* x = top.list(c);

@@ -32,7 +32,6 @@ constexpr int kBatch = 4;        // vectors of queries per distance pass (sixtee
 // sums[c] += q_i and counts[c] += 1 for the valid queries i in [begin, end) (rows `stride` floats apart), in query
 // order (the order of the reference's index_add_, so that the sums agree bit for bit); with `norms`, also
 // norms[i] = ||q_i||^2 (16 partial sums: a plain float sum does not vectorise) in the same pass.
-BC_MULTIVERSION
 void accumulate(const float* __restrict q, int64_t stride, const int64_t* __restrict assign, int64_t begin,
                 int64_t end, int64_t dk, float* __restrict sums, float* __restrict counts,
                 float* __restrict norms = nullptr) {
@@ -64,7 +63,6 @@ void divide(const float* __restrict sums, const float* __restrict counts, int64_
 // ||c||^2 - 2 q.c (||q||^2 left out), summed over dk in order. Four centroids at a time (each query vector
 // loaded once for four centroids); the minimum runs down the centroids in index order with a strict <, so
 // the lowest index wins ties. Results for lane j of vector v at [v * 16 + j].
-BC_MULTIVERSION
 void nearest_two(const float* __restrict qt, int64_t stride, const int64_t* offset, int64_t dk,
                  const float* __restrict means, const float* __restrict bias, int64_t clusters,
                  int64_t* __restrict best, float* __restrict first, float* __restrict second) {
@@ -98,9 +96,9 @@ void nearest_two(const float* __restrict qt, int64_t stride, const int64_t* offs
       for (int v = 0; v < V; ++v) {
         const f32x16 distance = bias[c + j] - 2.f * a[j][v];
         const auto closer = distance < f[v];
-        s[v] = closer ? f[v] : (distance < s[v] ? distance : s[v]);
-        b[v] = closer ? index : b[v];
-        f[v] = closer ? distance : f[v];
+        s[v] = select(closer, f[v], select(distance < s[v], distance, s[v]));
+        b[v] = select(closer, index, b[v]);
+        f[v] = select(closer, distance, f[v]);
       }
     }
   }

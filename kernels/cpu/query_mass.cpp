@@ -93,7 +93,7 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
     f32x16 acc = {};
     for (int64_t c0 = 0; c0 < kp; c0 += kLanes) {
       f32x16 e = fast_exp16(load16(sm + c0) - mx);
-      e = first_lanes(kv - c0) ? e : f32x16{};  // padding lanes: 0
+      e = select(first_lanes(kv - c0), e, f32x16{});  // padding lanes: 0
       acc += e;
       store16(sm + c0, e);
     }
@@ -142,7 +142,6 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
 
 // refine_block for `count` (1..8) members: every block size has its own instance, so that a cluster's last,
 // partial block keeps its members together.
-BC_MULTIVERSION
 void refine_members(int count, const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv,
                     float scaling, float* scores, float* row) {
   switch (count) {
@@ -159,8 +158,7 @@ void refine_members(int count, const float* const* q, float* const* out, const C
 
 // One cluster's top-k keys: kt (dk x kvp) their rows transposed (zero columns past kv), key_mean and
 // half_var (which hold the sums over every valid key) less theirs, top_score (kvp) their scaled scores
-// against the centroid. Returns the largest score. (A function of its own, so that it gets the ISA clones.)
-BC_MULTIVERSION
+// against the centroid. Returns the largest score.
 float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t kvp, const float* __restrict centroid,
                       float scale, float* __restrict kt, float* __restrict key_mean, float* __restrict half_var,
                       float* __restrict top_score) {
@@ -186,11 +184,11 @@ float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t 
     }
     acc *= scale;
     store16(top_score + c0, acc);
-    top = first_lanes(kv - c0) & (acc > top) ? acc : top;
+    top = select(first_lanes(kv - c0) & (acc > top), acc, top);
     if (pair) {
       acc2 *= scale;
       store16(top_score + c0 + kLanes, acc2);
-      top = first_lanes(kv - c0 - kLanes) & (acc2 > top) ? acc2 : top;
+      top = select(first_lanes(kv - c0 - kLanes) & (acc2 > top), acc2, top);
     }
   }
   return hmax(top);
@@ -198,7 +196,6 @@ float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t 
 
 // sum[0..dk) += x and squares[0..dk) += x^2 over the valid rows of keys (n rows, `stride` floats apart),
 // 64 features at a time in registers (eight independent chains per row; each feature summed in row order).
-BC_MULTIVERSION
 void sum_valid_rows(const float* __restrict keys, int64_t stride, const bool* __restrict valid, int64_t n, int64_t dk,
                     float* __restrict sum, float* __restrict squares) {
   constexpr int V = 4;

@@ -1,7 +1,7 @@
 // Small float loops written so that GCC vectorises them (-O3), and a polynomial exp that vectorises too
-// (std::exp does not without -ffast-math). Hot functions that use them carry BC_MULTIVERSION, which
-// compiles one clone per ISA level (x86-64-v4 = AVX-512, v3 = AVX2+FMA, baseline) and picks one at load time, so the wheel
-// stays portable without -march=native.
+// (std::exp does not without -ffast-math), on the 64-byte vectors of simd.h. The kernels are compiled once
+// per ISA level (x86-64-v4 = AVX-512, v3 = AVX2+FMA, baseline), each into its own library, of which
+// bert_cluster._loader loads the best this CPU runs: the wheel stays portable without -march=native.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -13,45 +13,19 @@
 #include <limits>
 #include <type_traits>
 
-// ISA levels, not CPU models: "arch=skylake-avx512" would be chosen by CPU model (__builtin_cpu_is) and so
-// never on an AMD EPYC with AVX-512; "arch=x86-64-v4" is chosen by features (GCC >= 12).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(BERT_CLUSTER_NO_MULTIVERSION) && \
-    __GNUC__ >= 12
-#define BC_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(BERT_CLUSTER_NO_MULTIVERSION)
-#define BC_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define BC_MULTIVERSION
-#endif
+#include "simd.h"
 
-// Code written with AVX-512 intrinsics, where the compiler can build it: compiled for x86-64-v4 (in a
-// portable build; a single-ISA build takes it only when that ISA has AVX-512) and called only on a CPU that
-// has it (has_avx512()); each such kernel keeps a portable twin that gives the same result.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12 && \
-    (!defined(BERT_CLUSTER_NO_MULTIVERSION) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)))
+// Code written with AVX-512 intrinsics, where this compilation targets AVX-512 (the x86-64-v4 library);
+// each such kernel keeps a portable twin that gives the same result.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define BC_HAVE_AVX512 1
-#if defined(BERT_CLUSTER_NO_MULTIVERSION)
-#define BC_AVX512_TARGET
-#else
-#define BC_AVX512_TARGET __attribute__((target("arch=x86-64-v4")))
 #endif
-#endif
-
-// Helpers are force-inlined so that they compile with the ISA of the BC_MULTIVERSION clone calling them
-// (a plain `inline` function may stay out of line, compiled for the baseline ISA).
-#define BC_INLINE __attribute__((always_inline)) inline
 
 namespace bert_cluster {
 
 #ifdef BC_HAVE_AVX512
-// Whether this CPU runs the BC_AVX512_TARGET code (checked once).
-inline bool has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("x86-64-v4");
-  }();
-  return has;
-}
+// Whether this CPU runs the AVX-512 code: the library that has it is loaded only on such a CPU.
+constexpr bool has_avx512() { return true; }
 #endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -88,30 +62,20 @@ BC_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_
   return s;
 }
 
-// GCC vector extension: 16 floats, lowered to the widest registers of each BC_MULTIVERSION clone
-// (one AVX-512 register, two AVX2 ones, four SSE ones).
-typedef float f32x16 __attribute__((vector_size(16 * sizeof(float))));
+BC_INLINE f32x16 load16(const float* p) { return load_vec<f32x16>(p); }
 
-BC_INLINE f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-BC_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-typedef int32_t i32x16 __attribute__((vector_size(16 * sizeof(int32_t))));
+BC_INLINE void store16(float* p, f32x16 v) { store_vec(p, v); }
 
 // fast_exp on 16 lanes at once (the same steps; floor by truncation and a correction).
 BC_INLINE f32x16 fast_exp16(f32x16 x) {
   const f32x16 zero = {};
   const f32x16 lo = zero - 87.0f, hi = zero + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  x = select(x < lo, lo, x);
+  x = select(x > hi, hi, x);
   const f32x16 t = x * 1.44269504088896341f + 0.5f;
-  i32x16 i = __builtin_convertvector(t, i32x16);
-  i += (__builtin_convertvector(i, f32x16) > t);  // truncation rounds up below 0: subtract 1 (mask is -1)
-  const f32x16 n = __builtin_convertvector(i, f32x16);
+  i32x16 i = convert<i32x16>(t);
+  i += (convert<f32x16>(i) > t);  // truncation rounds up below 0: subtract 1 (mask is -1)
+  const f32x16 n = convert<f32x16>(i);
   const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   f32x16 p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -121,9 +85,7 @@ BC_INLINE f32x16 fast_exp16(f32x16 x) {
   p = p * r + 5.0000001201e-1f;
   const f32x16 y = p * r * r + r + 1.0f;
   const i32x16 e = (i + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
+  return y * bitcast<f32x16>(e);
 }
 
 // Max of x[0..n) (n >= 1), in 16 lanes then across them (a plain float max loop does not vectorise).
@@ -134,7 +96,7 @@ BC_INLINE float max_of(const float* __restrict x, int64_t n) {
     f32x16 acc = load16(x);
     for (i = 16; i + 16 <= n; i += 16) {
       const f32x16 y = load16(x + i);
-      acc = acc > y ? acc : y;
+      acc = select(acc > y, acc, y);
     }
     for (int j = 0; j < 16; ++j) m = std::max(m, acc[j]);
   }
@@ -163,25 +125,37 @@ BC_INLINE void axpy(float* __restrict out, const float* __restrict x, float w, i
 
 // ---------------------------------------------------------------------------------------------------
 // Input dtypes, widened to float32 in registers: 16 values at a time (bf16: a shift; fp16: the ISA's
-// conversion, F16C / AVX-512 in the v3 / v4 clones) or one at a time.
+// conversion, F16C / AVX-512 in the v3 / v4 libraries) or one at a time.
 
-typedef uint16_t u16x16 __attribute__((vector_size(16 * sizeof(uint16_t))));
-typedef uint32_t u32x16 __attribute__((vector_size(16 * sizeof(uint32_t))));
-typedef _Float16 f16x16 __attribute__((vector_size(16 * sizeof(_Float16))));
+// 16 bf16 / fp16 values widened to float32, a register's worth at a time.
+template <typename T, typename Widen>
+BC_INLINE f32x16 load16_parts(const T* p, Widen widen_part) {
+#if BC_NATIVE_BYTES < 64
+  f32x16 f;
+  for (int k = 0; k < f32x16::kParts; ++k) f.p[k] = widen_part(p + k * f32x16::kPartLanes);
+  return f;
+#else
+  return widen_part(p);
+#endif
+}
 
 BC_INLINE f32x16 load16(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
+  constexpr int lanes = kIsWide<f32x16> ? kNativeBytes / 4 : 16;
+  return load16_parts(p, [](const c10::BFloat16* q) {
+    Native<uint16_t, 2 * lanes> h;
+    std::memcpy(&h, q, sizeof(h));
+    const Native<uint32_t, 4 * lanes> w = __builtin_convertvector(h, Native<uint32_t, 4 * lanes>) << 16;
+    return bitcast<Native<float, 4 * lanes>>(w);
+  });
 }
 
 BC_INLINE f32x16 load16(const c10::Half* p) {
-  f16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, f32x16);
+  constexpr int lanes = kIsWide<f32x16> ? kNativeBytes / 4 : 16;
+  return load16_parts(p, [](const c10::Half* q) {
+    Native<_Float16, 2 * lanes> h;
+    std::memcpy(&h, q, sizeof(h));
+    return __builtin_convertvector(h, Native<float, 4 * lanes>);
+  });
 }
 
 BC_INLINE float to_float(float x) { return x; }
@@ -216,79 +190,126 @@ BC_INLINE i32x16 first_lanes(int64_t n) {
   alignas(64) static const int32_t kTable[32] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0,  0};
   n = n < 0 ? 0 : (n > 16 ? 16 : n);
-  i32x16 m;
-  std::memcpy(&m, kTable + 16 - n, sizeof(m));
-  return m;
+  return load_vec<i32x16>(kTable + 16 - n);
 }
 
 // The lanes of a comparison result (-1 / 0 per lane) as a 16-bit mask, lane i -> bit i.
 BC_INLINE uint32_t lane_bits(i32x16 mask) {
-  const i32x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-  i32x16 t = mask & bit;
-  t |= __builtin_shufflevector(t, t, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  t |= __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return static_cast<uint32_t>(t[0]);
+#if defined(__AVX512DQ__)
+  return static_cast<uint16_t>(_mm512_movepi32_mask(reinterpret_cast<__m512i>(mask)));
+#elif defined(__AVX__)
+  uint32_t bits = 0;
+  for (int k = 0; k < i32x16::kParts; ++k)
+    bits |= static_cast<uint32_t>(_mm256_movemask_ps(reinterpret_cast<__m256>(mask.p[k]))) << (8 * k);
+  return bits;
+#elif defined(__SSE2__)
+  uint32_t bits = 0;
+  for (int k = 0; k < i32x16::kParts; ++k)
+    bits |= static_cast<uint32_t>(_mm_movemask_ps(reinterpret_cast<__m128>(mask.p[k]))) << (4 * k);
+  return bits;
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < 16; ++i) bits |= static_cast<uint32_t>(mask[i] & 1) << i;
+  return bits;
+#endif
 }
 
-// Two comparison results as a 32-bit mask, lanes of `low` -> bits 0..15, lanes of `high` -> bits 16..31
-// (one reduction for both).
-BC_INLINE uint32_t lane_bits2(i32x16 low, i32x16 high) {
-  const i32x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-  i32x16 t = (low & bit) | (high & (bit << 16));
-  t |= __builtin_shufflevector(t, t, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  t |= __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return static_cast<uint32_t>(t[0]);
+// Two comparison results as a 32-bit mask, lanes of `low` -> bits 0..15, lanes of `high` -> bits 16..31.
+BC_INLINE uint32_t lane_bits2(i32x16 low, i32x16 high) { return lane_bits(low) | (lane_bits(high) << 16); }
+
+// Lane i combined with lane i + 8 (the first step of the reductions below), in the low 8 lanes.
+template <typename Combine>
+BC_INLINE f32x16 fold_halves(f32x16 v, Combine combine) {
+#if BC_NATIVE_BYTES < 64
+  constexpr int half = f32x16::kParts / 2;
+  for (int k = 0; k < half; ++k) v.p[k] = combine(v.p[k], v.p[k + half]);
+  return v;
+#else
+  return combine(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+#endif
 }
 
 BC_INLINE float hmax(f32x16 v) {
-  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-          ? v
-          : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = fold_halves(v, [](auto a, auto b) { return a > b ? a : b; });
   float m = v[0];
   for (int j = 1; j < 8; ++j) m = v[j] > m ? v[j] : m;
   return m;
 }
 
-// Sum of the 16 lanes in a fixed order (so a result never depends on how a loop was split).
+// Sum of the 16 lanes in a fixed order (so a result never depends on how a loop was split, or on the ISA):
+// lane i + lane i + 8, then + 4, + 2, + 1.
 BC_INLINE float hsum(f32x16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
+#if BC_NATIVE_BYTES < 64
+  {
+    constexpr int lanes = f32x16::kPartLanes;
+    using Part = f32x16::Part;
+    Part p[f32x16::kParts];
+    for (int k = 0; k < f32x16::kParts; ++k) p[k] = v.p[k];
+    int parts = f32x16::kParts;
+    for (; parts > 1; parts /= 2)  // strides of a part or more: whole parts
+      for (int k = 0; k < parts / 2; ++k) p[k] = p[k] + p[k + parts / 2];
+    Part x = p[0];
+#if BC_NATIVE_BYTES == 32
+    static_assert(lanes == 8);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#else
+    static_assert(lanes == 4);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2);
+#endif
+    return x[0];
+  }
+#else
+  {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+  }
+#endif
 }
 
-// In-place transpose of a 16 x 16 block held in 16 vectors (r[i][j] -> r[j][i]): 4 rounds of 16
-// two-source shuffles (one vpermt2ps each on AVX-512).
+// In-place transpose of a 16 x 16 block held in 16 vectors (r[i][j] -> r[j][i]): on AVX-512 4 rounds of
+// 16 two-source shuffles (one vpermt2ps each); elsewhere through memory.
 BC_INLINE void transpose16(f32x16* r) {
-  f32x16 t[16];
-  for (int i = 0; i < 16; i += 2) {  // interleave pairs of rows, element by element
-    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
-    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+#if BC_NATIVE_BYTES < 64
+  {
+    float block[16][16];
+    std::memcpy(block, r, sizeof(block));
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) r[j][i] = block[i][j];
   }
-  for (int i = 0; i < 16; i += 4) {  // pairs of elements: r[i + e] holds element e (of each 4) of 4 rows
-    for (int j = 0; j < 2; ++j) {
-      r[i + 2 * j] =
-          __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-      r[i + 2 * j + 1] =
-          __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+#else
+  {
+    f32x16 t[16];
+    for (int i = 0; i < 16; i += 2) {  // interleave pairs of rows, element by element
+      t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+      t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+    }
+    for (int i = 0; i < 16; i += 4) {  // pairs of elements: r[i + e] holds element e (of each 4) of 4 rows
+      for (int j = 0; j < 2; ++j) {
+        r[i + 2 * j] =
+            __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+        r[i + 2 * j + 1] =
+            __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+      }
+    }
+    for (int i = 0; i < 16; i += 8) {  // quads
+      for (int j = 0; j < 4; ++j) {
+        t[i + j] = __builtin_shufflevector(r[i + j], r[i + j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        t[i + j + 4] =
+            __builtin_shufflevector(r[i + j], r[i + j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {  // octets
+      r[j] = __builtin_shufflevector(t[j], t[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      r[j + 8] = __builtin_shufflevector(t[j], t[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
   }
-  for (int i = 0; i < 16; i += 8) {  // quads
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = __builtin_shufflevector(r[i + j], r[i + j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-      t[i + j + 4] =
-          __builtin_shufflevector(r[i + j], r[i + j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {  // octets
-    r[j] = __builtin_shufflevector(t[j], t[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    r[j + 8] = __builtin_shufflevector(t[j], t[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
+#endif
 }
 
 // Float <-> totally ordered integer keys: a < b as floats (no NaN) iff key(a) < key(b) as signed int32.
@@ -298,8 +319,7 @@ BC_INLINE int32_t order_key(float x) {
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 BC_INLINE i32x16 order_key16(f32x16 x) {
-  i32x16 b;
-  std::memcpy(&b, &x, sizeof(b));
+  const i32x16 b = bitcast<i32x16>(x);
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
 BC_INLINE float from_order_key(int32_t k) {
