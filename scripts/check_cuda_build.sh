@@ -60,6 +60,6 @@ assert state["loaded"], state["reason"]
 assert state["with_cuda"], "built without CUDA"
 missing = {key: [op for op in ops.OPS if not _loader.has_kernel(op, key)] for key in ("CPU", "CUDA")}
 assert not any(missing.values()), f"ops without a kernel: {missing}"
-print(f"check_cuda_build: OK, {len(ops.OPS)} ops registered for CPU and CUDA "
+print(f"check_cuda_build: OK, {len(ops.OPS)} ops registered for CPU ({state['cpu_isa']}) and CUDA "
       f"(torch {torch.__version__}, cuda {torch.version.cuda}, GPU visible: {torch.cuda.is_available()})")
 PY
