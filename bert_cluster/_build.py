@@ -112,7 +112,8 @@ def build_kernels(cuda: bool = False, verbose: bool = False) -> dict[str, Any]:
     probe = (
         "import json; from bert_cluster import _loader, ops; s = ops.load_kernels(); "
         "print(json.dumps({'state': {k: s[k] for k in ('loaded', 'reason', 'with_cuda')}, "
-        "'path': s.get('path'), 'cpu': [o for o in ops.OPS if _loader.has_kernel(o, 'CPU')], "
+        "'path': s.get('path'), 'cpu_isa': s.get('cpu_isa'), "
+        "'cpu': [o for o in ops.OPS if _loader.has_kernel(o, 'CPU')], "
         "'cuda': [o for o in ops.OPS if _loader.has_kernel(o, 'CUDA')]}))"
     )
     check = subprocess.run([sys.executable, "-c", probe], cwd=_ROOT, env=env, capture_output=True, text=True)
@@ -120,7 +121,7 @@ def build_kernels(cuda: bool = False, verbose: bool = False) -> dict[str, Any]:
         result["log"] += "\n" + check.stderr[-2000:]
         return result
     facts = json.loads(check.stdout.strip().splitlines()[-1])
-    result.update(path=facts["path"], cpu_ops=facts["cpu"], cuda_ops=facts["cuda"])
+    result.update(path=facts["path"], cpu_isa=facts["cpu_isa"], cpu_ops=facts["cpu"], cuda_ops=facts["cuda"])
     required = set(ops.KERNEL_OPS)
     complete = required <= set(facts["cpu"]) and (not cuda or required <= set(facts["cuda"]))
     result["ok"] = facts["state"]["loaded"] and complete

@@ -134,10 +134,14 @@ def test_build_info_reports_everything() -> None:
         "kernels_loaded",
         "kernels_reason",
         "kernels_with_cuda",
+        "kernels_cpu_isa",
+        "kernels_cpu_isas_built",
         "backends",
         "auto_backend_cpu",
     ):
         assert key in info, key
+    if info["kernels_loaded"]:  # the CPU kernel library that loaded is one the build made
+        assert info["kernels_cpu_isa"] in info["kernels_cpu_isas_built"]
     assert info["torch"] == str(torch.__version__)
     assert [b["backend"] for b in info["backends"]] == ["cuda", "cpu", "reference"]
     cuda = next(b for b in info["backends"] if b["backend"] == "cuda")
