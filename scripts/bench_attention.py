@@ -21,6 +21,7 @@ is also given as a cost ratio to i-clustered on the same backend (issue 13's bud
     python scripts/bench_attention.py --mixed --dtype bf16 --lengths 512 --methods sdpa kernel-i-clustered
     python scripts/bench_attention.py --lengths 8192 16384 32768 --methods sdpa kernel-i-clustered --repeats 3
     python scripts/bench_attention.py --lengths 384 4096 --methods sdpa kernel-i-clustered kernel-i-clustered+
+    python scripts/bench_attention.py --growth --head-dim 32 --lengths 8192 --methods sdpa kernel-i-clustered+
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ METHODS = (
     "kernel-clustered",
     "kernel-i-clustered+",
 )
-# Fixed C and k at every length (the settings of issue 12's targets); convert's growth of C and k above 512
-# tokens is measured end to end by bench_long_context.py and bench_length_scaling.py.
+# Fixed C and k at every length (the settings of issue 12's targets); with --growth, C and k grow with the
+# length as convert's defaults make them (also measured end to end by bench_long_context.py and
+# bench_length_scaling.py).
 SETTINGS = {
     "clusters": 25,
     "topk": 32,
@@ -57,6 +59,16 @@ SETTINGS = {
     "cluster_growth": 0.0,
     "topk_growth": 0.0,
 }
+
+
+def clustered_settings(growth: bool = False) -> dict:
+    """SETTINGS, or with ``growth`` the growth of C and k of ``ClusteredAttentionConfig``'s defaults."""
+    if not growth:
+        return dict(SETTINGS)
+    from bert_cluster import ClusteredAttentionConfig
+
+    defaults = ClusteredAttentionConfig()
+    return {**SETTINGS, "cluster_growth": defaults.cluster_growth, "topk_growth": defaults.topk_growth}
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -99,6 +111,7 @@ def make_call(
     dtype: str = "fp32",
     batch: int = 1,
     mixed: bool = False,
+    growth: bool = False,
 ):
     """A zero-argument function running ``method`` once on the inputs of ``make_inputs``."""
     import torch
@@ -120,8 +133,9 @@ def make_call(
 
         return eager
     backend, mode = method.split("-", 1)
+    backend_name = "reference" if backend == "ref" else device
     config = ClusteredAttentionConfig(
-        **SETTINGS, mode=mode, min_length=0, backend="reference" if backend == "ref" else device
+        **clustered_settings(growth), mode=mode, min_length=0, backend=backend_name
     )
     return lambda: clustered_attention(q, k, v, valid, config=config)
 
@@ -136,7 +150,15 @@ def _peak_rss_kib() -> int:
 
 
 def memory_case(
-    method: str, n: int, heads: int, head_dim: int, threads: int, dtype: str, batch: int, mixed: int
+    method: str,
+    n: int,
+    heads: int,
+    head_dim: int,
+    threads: int,
+    dtype: str,
+    batch: int,
+    mixed: int,
+    growth: int,
 ) -> float:
     """Run in a fresh interpreter: MiB the call adds to the process's peak RSS."""
     import torch
@@ -144,7 +166,7 @@ def memory_case(
     torch.set_num_threads(threads)
     with torch.inference_mode():
         make_call(method, 16, heads, head_dim, "cpu", dtype)()  # load kernels, initialise threads/allocator
-        call = make_call(method, n, heads, head_dim, "cpu", dtype, batch, bool(mixed))
+        call = make_call(method, n, heads, head_dim, "cpu", dtype, batch, bool(mixed), bool(growth))
         before = _peak_rss_kib()
         call()
         after = _peak_rss_kib()
@@ -154,7 +176,7 @@ def memory_case(
 def measure_memory(method: str, n: int, args) -> float:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import bench_attention as b; "
-        "a = sys.argv; print(b.memory_case(a[2], *map(int, a[3:7]), a[7], int(a[8]), int(a[9])))"
+        "a = sys.argv; print(b.memory_case(a[2], *map(int, a[3:7]), a[7], *map(int, a[8:11])))"
     )
     argv = [
         str(Path(__file__).parent),
@@ -166,6 +188,7 @@ def measure_memory(method: str, n: int, args) -> float:
         args.dtype,
         str(args.batch),
         str(int(args.mixed)),
+        str(int(args.growth)),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run(
@@ -187,7 +210,17 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
         for n in lengths:
             methods = [m for m in args.methods if not (m.startswith("ref") and n > args.max_reference_n)]
             calls = {
-                m: make_call(m, n, args.heads, args.head_dim, args.device, args.dtype, args.batch, args.mixed)
+                m: make_call(
+                    m,
+                    n,
+                    args.heads,
+                    args.head_dim,
+                    args.device,
+                    args.dtype,
+                    args.batch,
+                    args.mixed,
+                    args.growth,
+                )
                 for m in methods
             }
             for method, call in calls.items():
@@ -214,11 +247,12 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
 
 
 def render(rows: list[dict], title: str) -> None:
-    headers = ["N", "method", "median ms", "spread", "x SDPA speed", "peak MiB"]
+    headers = ["N", "method", "C, k", "median ms", "spread", "x SDPA speed", "peak MiB"]
     lines = [
         [
             str(r["n"]),
             r["method"],
+            "-" if r["clusters_topk"] is None else "{}, {}".format(*r["clusters_topk"]),
             f"{r['median_ms']:.2f}",
             f"{r['spread']:.0%}",
             f"{r['speedup_vs_sdpa']:.2f}",
@@ -232,10 +266,12 @@ def render(rows: list[dict], title: str) -> None:
 
         table = Table(title=title)
         for header in headers:
-            table.add_column(header, justify="right" if header != "method" else "left")
+            table.add_column(header, justify="right" if header != "method" else "left", no_wrap=True)
         for line in lines:
             table.add_row(*line)
-        Console().print(table)
+        console = Console()
+        console.width = max(console.width, 100)  # a log or pipe gets 80 columns, which cut the method names
+        console.print(table)
     except ImportError:
         widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
         print(title)
@@ -258,6 +294,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows of N tokens each (no padding)")
     parser.add_argument(
         "--mixed", action="store_true", help=f"{MIXED_ROWS} padded rows of mixed lengths up to N instead"
+    )
+    parser.add_argument(
+        "--growth",
+        action="store_true",
+        help="C and k grow with the length as convert's defaults do (default: C = 25, k = 32 at any N)",
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
@@ -287,6 +328,9 @@ def main() -> None:
     load_before = os.getloadavg()
     times, cuda_peaks = time_all(args.lengths, args)
     load_after = os.getloadavg()
+    from bert_cluster import ClusteredAttentionConfig
+
+    settings = ClusteredAttentionConfig(**clustered_settings(args.growth))
     rows = []
     for n in args.lengths:
         sdpa = statistics.median(times[("sdpa", n)]) if ("sdpa", n) in times else float("nan")
@@ -305,6 +349,7 @@ def main() -> None:
                 {
                     "n": n,
                     "method": method,
+                    "clusters_topk": settings.row_settings(n) if method not in ("sdpa", "eager") else None,
                     "median_ms": median * 1e3,
                     "times_ms": [t * 1e3 for t in times[(method, n)]],
                     "spread": (quartiles[2] - quartiles[0]) / median,
@@ -349,7 +394,7 @@ def main() -> None:
             "head_dim": args.head_dim,
             "dtype": DTYPES[args.dtype],
         },
-        "settings": SETTINGS,
+        "settings": clustered_settings(args.growth),
         "timing": f"median of {args.repeats} {args.order} repeats after one warm-up",
         "memory": (
             "peak torch.cuda allocated memory added by one call (max_memory_allocated)"

@@ -39,6 +39,7 @@ def run(bench_attention, order: str) -> dict:
         dtype="fp32",
         batch=1,
         mixed=False,
+        growth=False,
         threads=1,
         repeats=3,
         order=order,
@@ -70,3 +71,16 @@ def test_no_repeats_is_refused(monkeypatch, capsys):
         bench_attention.main()
     assert exit_info.value.code == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_growth_takes_converts_growth_of_clusters_and_topk():
+    from bert_cluster import ClusteredAttentionConfig
+
+    bench_attention = load_bench()
+    fixed = ClusteredAttentionConfig(**bench_attention.clustered_settings(False))
+    grown = ClusteredAttentionConfig(**bench_attention.clustered_settings(True))
+    settings = bench_attention.SETTINGS
+    assert fixed.row_settings(4096) == (settings["clusters"], settings["topk"])
+    assert grown.row_settings(4096) == ClusteredAttentionConfig().row_settings(4096)
+    assert grown.row_settings(4096) != fixed.row_settings(4096)
+    assert grown.row_settings(512) == fixed.row_settings(512)  # growth starts above 512 tokens

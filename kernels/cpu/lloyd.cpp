@@ -60,14 +60,16 @@ void divide(const float* __restrict sums, const float* __restrict counts, int64_
 // The nearest and second nearest centroid of kBatch x 16 queries, lane j of vector v being query lane j of
 // the columns at qt + offset[v]: qt holds queries transposed, feature d of those 16 at qt + d * stride +
 // offset[v]. means: (clusters, dk); bias: ||c||^2, +inf for an empty cluster (it never wins). Distances are
-// ||c||^2 - 2 q.c (||q||^2 left out), summed over dk in order. Four centroids at a time (each query vector
-// loaded once for four centroids); the minimum runs down the centroids in index order with a strict <, so
-// the lowest index wins ties. Results for lane j of vector v at [v * 16 + j].
+// ||c||^2 - 2 q.c (||q||^2 left out), summed over dk in order. Four centroids at a time with AVX-512 (each
+// query vector loaded once for four centroids), one below it; the minimum runs down the centroids in index
+// order with a strict <, so the lowest index wins ties. Results for lane j of vector v at [v * 16 + j].
 void nearest_two(const float* __restrict qt, int64_t stride, const int64_t* offset, int64_t dk,
                  const float* __restrict means, const float* __restrict bias, int64_t clusters,
                  int64_t* __restrict best, float* __restrict first, float* __restrict second) {
   constexpr int V = kBatch;
-  constexpr int kCentroids = 4;
+  // Centroids per pass: kCentroids x V accumulators, which must stay in registers with the V query vectors
+  // (32 with AVX-512; with AVX2 each takes 2 of 16, so one centroid per pass).
+  constexpr int kCentroids = kNativeBytes == 64 ? 4 : 1;
   const f32x16 inf = f32x16{} + kInf;
   f32x16 f[V], s[V];
   i32x16 b[V];

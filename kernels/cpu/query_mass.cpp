@@ -140,10 +140,19 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
     for (int m = 0; m < M; ++m) std::copy(row + m * dvp, row + m * dvp + dv, out[m]);
 }
 
-// refine_block for `count` (1..8) members: every block size has its own instance, so that a cluster's last,
-// partial block keeps its members together.
+// Members refined together: 2 * kBlock accumulators, which must stay in registers (32 with AVX-512; with AVX2
+// an accumulator takes 2 of 16, and blocks of 8 spilled them: the op took 2.2x the AVX-512 time at 4,096
+// tokens where topk_refine, already blocked by 2 there, took 1.7x).
+constexpr int kBlock = kNativeBytes == 64 ? 8 : 2;
+
+// refine_block for `count` (1..kBlock) members: every block size has its own instance, so that a cluster's
+// last, partial block keeps its members together.
 void refine_members(int count, const float* const* q, float* const* out, const Cluster& c, int64_t dk, int64_t dv,
                     float scaling, float* scores, float* row) {
+  if constexpr (kBlock == 2) {
+    if (count == 2) return refine_block<2>(q, out, c, dk, dv, scaling, scores, row);
+    return refine_block<1>(q, out, c, dk, dv, scaling, scores, row);
+  }
   switch (count) {
     case 8: refine_block<8>(q, out, c, dk, dv, scaling, scores, row); break;
     case 7: refine_block<7>(q, out, c, dk, dv, scaling, scores, row); break;
@@ -256,7 +265,7 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
   const float scale = job.scaling;
   const int64_t kp = round_up(k), dvp = round_up(dv);
   const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
-  std::vector<float> kt(dk * kp), vt(k * dvp), scores(8 * kp), row(8 * dvp), rest_mean(dvp), key_sum(dk),
+  std::vector<float> kt(dk * kp), vt(k * dvp), scores(kBlock * kp), row(kBlock * dvp), rest_mean(dvp), key_sum(dk),
       square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
   std::vector<const float*> key_rows(k), value_rows(k);
   std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
@@ -359,17 +368,17 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
         continue;
       }
       const Cluster cluster{kt.data(), value_rows.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
-      for (int64_t j = 0; j < members; j += 8) {
-        const int count = static_cast<int>(std::min<int64_t>(8, members - j));
-        const float* qs[8];
-        float* os[8];
+      for (int64_t j = 0; j < members; j += kBlock) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlock, members - j));
+        const float* qs[kBlock];
+        float* os[kBlock];
         for (int b = 0; b < count; ++b) {
           qs[b] = qh + member[j + b] * qr.s2;
           os[b] = orow + member[j + b] * dv;
         }
         // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
         // for them took most of the refinement's time on heads larger than the cache.
-        for (int64_t b = j + 8; b < std::min<int64_t>(members, j + 16); ++b) {
+        for (int64_t b = j + kBlock; b < std::min<int64_t>(members, j + 2 * kBlock); ++b) {
           const float* next_q = qh + member[b] * qr.s2;
           const float* next_out = orow + member[b] * dv;
           for (int64_t d = 0; d < dk; d += 16) __builtin_prefetch(next_q + d);
