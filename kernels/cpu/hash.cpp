@@ -209,6 +209,27 @@ struct PortablePopcount {
   }
 };
 
+// A scanned block's bookkeeping: each query's best key (best(j)) and cluster written, except for those
+// whose own centroid's key (own(j)) grew past their previous best (old(j)), which need every centroid.
+template <typename Best, typename Own, typename Old>
+BC_INLINE void settle_block(const bool* valid, int64_t i0, int64_t len, bool full, Best best, Own own, Old old,
+                            uint64_t* keys, int64_t* assign, BlockOut& out) {
+  out.changed = out.again = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t i = i0 + j;
+    const uint64_t key = best(j);
+    out.previous[j] = assign[i];
+    if (!full && own(j) > old(j)) {
+      out.again |= 1u << j;
+      continue;
+    }
+    const int64_t cluster = valid[i] && key != kNoKey ? static_cast<int64_t>(key & 0xFFFFFFFFULL) : -1;
+    out.changed |= static_cast<uint32_t>(cluster != assign[i]) << j;
+    assign[i] = cluster;
+    keys[i] = key;
+  }
+}
+
 void block_portable(const uint64_t* hashes, const bool* valid, int64_t i0, int64_t len, uint64_t mask,
                     const uint64_t* cent, const int32_t* list, int64_t count, bool full, uint64_t* keys,
                     int64_t* assign, BlockOut& out) {
@@ -221,21 +242,69 @@ void block_portable(const uint64_t* hashes, const bool* valid, int64_t i0, int64
     best[v] = own[v] = old[v];
   }
   scan_body(h, old, cent, list, count, best, own, PortablePopcount{});
-  out.changed = out.again = 0;
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t i = i0 + j;
-    const uint64_t key = best[j / 8][j % 8];
-    out.previous[j] = assign[i];
-    if (!full && own[j / 8][j % 8] > old[j / 8][j % 8]) {
-      out.again |= 1u << j;
-      continue;
-    }
-    const int64_t cluster = valid[i] && key != kNoKey ? static_cast<int64_t>(key & 0xFFFFFFFFULL) : -1;
-    out.changed |= static_cast<uint32_t>(cluster != assign[i]) << j;
-    assign[i] = cluster;
-    keys[i] = key;
-  }
+  settle_block(
+      valid, i0, len, full, [&](int64_t j) { return best[j / 8][j % 8]; },
+      [&](int64_t j) { return own[j / 8][j % 8]; }, [&](int64_t j) { return old[j / 8][j % 8]; }, keys, assign,
+      out);
 }
+
+#if BC_NATIVE_BYTES == 32 && defined(__AVX2__)
+#define BC_HAVE_NARROW_BLOCK 1
+// Clusters that block_narrow takes: a key narrowed to 32 bits is distance << 24 | cluster.
+constexpr int64_t kNarrowClusters = int64_t{1} << 24;
+constexpr uint64_t kNarrowNone = 0xFFFFFFFFULL;  // kNoKey narrowed: above every narrow key
+
+BC_INLINE uint64_t narrow_key(uint64_t key) {
+  return key == kNoKey ? kNarrowNone : (key >> 32) << 24 | (key & 0xFFFFFFULL);
+}
+BC_INLINE uint64_t wide_key(uint64_t key) { return key == kNarrowNone ? kNoKey : (key >> 24) << 32 | (key & 0xFFFFFFULL); }
+
+// block_portable with AVX2, for up to 2^24 clusters: the same keys, found with keys narrowed to the
+// low 32 bits of each 64-bit lane, whose minimum is one instruction (AVX2 has no unsigned 64-bit compare:
+// two sign flips, a compare and a blend), and 8 queries per pass over the centroids, whose state then
+// stays in the 16 registers (32 queries at once kept it on the stack).
+void block_narrow(const uint64_t* hashes, const bool* valid, int64_t i0, int64_t len, uint64_t mask,
+                  const uint64_t* cent, const int32_t* list, int64_t count, bool full, uint64_t* keys, int64_t* assign,
+                  BlockOut& out) {
+  constexpr int kLanes = 8 * kScanVectors;
+  alignas(32) uint64_t h[kLanes] = {}, old[kLanes], best[kLanes], own[kLanes];
+  std::fill(old, old + kLanes, kNoKey);
+  std::memcpy(h, hashes + i0, len * sizeof(uint64_t));
+  if (!full) std::memcpy(old, keys + i0, len * sizeof(uint64_t));
+  for (int j = 0; j < kLanes; ++j) best[j] = narrow_key(old[j]);
+  const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3, 1,
+                                         2, 2, 3, 2, 3, 3, 4);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i bits = _mm256_set1_epi64x(static_cast<int64_t>(mask)), low = _mm256_set1_epi64x(0xFFFFFFFFLL);
+  for (int64_t p = 0; p < len; p += 8) {
+    __m256i x[2], b[2], o[2], mine[2];
+    for (int v = 0; v < 2; ++v) {
+      x[v] = _mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(h + p + 4 * v)), bits);
+      b[v] = o[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(best + p + 4 * v));
+      mine[v] = _mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(old + p + 4 * v)), low);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t c = list[i];
+      const __m256i centroid = _mm256_set1_epi64x(static_cast<int64_t>(cent[c])), index = _mm256_set1_epi64x(c);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i y = _mm256_xor_si256(x[v], centroid);
+        const __m256i ones = _mm256_add_epi8(_mm256_shuffle_epi8(table, _mm256_and_si256(y, nibble)),
+                                             _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(y, 4), nibble)));
+        const __m256i key = _mm256_or_si256(_mm256_slli_epi64(_mm256_sad_epu8(ones, zero), 24), index);
+        b[v] = _mm256_min_epu32(b[v], key);  // the high words are 0 on both sides
+        o[v] = _mm256_blendv_epi8(o[v], key, _mm256_cmpeq_epi32(mine[v], index));
+      }
+    }
+    for (int v = 0; v < 2; ++v) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(best + p + 4 * v), b[v]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(own + p + 4 * v), o[v]);
+    }
+  }
+  settle_block(
+      valid, i0, len, full, [&](int64_t j) { return wide_key(best[j]); }, [&](int64_t j) { return wide_key(own[j]); },
+      [&](int64_t j) { return old[j]; }, keys, assign, out);
+}
+#endif
 
 #if defined(BC_HAVE_AVX512) && defined(__GNUC__) && !defined(__clang__)
 #define BC_HAVE_VPOPCNT 1
@@ -294,12 +363,19 @@ void block_vpopcnt(const uint64_t* hashes, const bool* valid, int64_t i0, int64_
 }
 #endif
 
-// The block function for this CPU (chosen once).
-BlockFn pick_block() {
+// The block function for this CPU and number of clusters.
+BlockFn pick_block(int64_t clusters) {
 #ifdef BC_HAVE_VPOPCNT
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vpopcntdq")) return block_vpopcnt;
+  static const bool vpopcnt = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vpopcntdq") != 0;
+  }();
+  if (vpopcnt) return block_vpopcnt;
 #endif
+#ifdef BC_HAVE_NARROW_BLOCK
+  if (clusters <= kNarrowClusters) return block_narrow;
+#endif
+  (void)clusters;
   return block_portable;
 }
 
@@ -484,7 +560,7 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   }
   const int64_t present_count = static_cast<int64_t>(present.size());
 
-  static const BlockFn block = pick_block();
+  const BlockFn block = pick_block(clusters);
   std::vector<uint32_t> ones(clusters * 64);
   std::vector<uint8_t> small(clusters * 64);
   std::vector<int32_t> pending(clusters);

@@ -33,6 +33,7 @@ inline int64_t round_up(int64_t x) { return (x + kLanes - 1) / kLanes * kLanes; 
 // What every member of one cluster shares.
 struct Cluster {
   const float* kt;         // (dk, kp): the valid top-k keys, transposed, zero-padded to kp = round_up(kv)
+  const float* const* krows;  // or, for a small cluster (kRowScoreMembers), their kp rows (zeros past kv)
   const float* const* vrows;  // kv value rows, dvp = round_up(dv) floats readable each (zeros past dv)
   int64_t kv;              // valid top-k keys
   const float* key_mean;   // (dk): mean of the row's valid keys outside T
@@ -55,8 +56,9 @@ BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mea
   return scaling * sum;
 }
 
-// M queries of one cluster (rows q[m], outputs out[m]): scores over the top-k keys (each key vector loaded
-// once for the M queries), their log-sum-exp, the query's own mass, the weighted values plus the rest.
+// M queries of one cluster (rows q[m], outputs out[m]): scores over the top-k keys (each transposed key
+// vector loaded once for the M queries, or from the key rows for a small cluster), their log-sum-exp, the
+// query's own mass, the weighted values plus the rest.
 template <int M>
 BC_INLINE void refine_block(const float* const* q, float* const* out, const Cluster& cluster, int64_t dk, int64_t dv,
                             float scaling, float* __restrict scores, float* __restrict row) {
@@ -69,21 +71,25 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
   const int64_t kv = cluster.kv;
   const float log_base = cluster.log_base;
   const int64_t kp = round_up(kv), dvp = round_up(dv);
-  for (int64_t c0 = 0; c0 < kp; c0 += 2 * kLanes) {
-    const bool pair = c0 + kLanes < kp;
-    f32x16 a[M] = {}, b[M] = {};
-    for (int64_t d = 0; d < dk; ++d) {
-      const f32x16 k0 = load16(kt + d * kp + c0);
-      const f32x16 k1 = pair ? load16(kt + d * kp + c0 + kLanes) : f32x16{};
-      for (int m = 0; m < M; ++m) {
-        const float x = q[m][d];
-        a[m] += x * k0;
-        b[m] += x * k1;
+  if (cluster.krows != nullptr) {
+    row_scores<M>(q, cluster.krows, kp, dk, scaling, scores);
+  } else {
+    for (int64_t c0 = 0; c0 < kp; c0 += 2 * kLanes) {
+      const bool pair = c0 + kLanes < kp;
+      f32x16 a[M] = {}, b[M] = {};
+      for (int64_t d = 0; d < dk; ++d) {
+        const f32x16 k0 = load16(kt + d * kp + c0);
+        const f32x16 k1 = pair ? load16(kt + d * kp + c0 + kLanes) : f32x16{};
+        for (int m = 0; m < M; ++m) {
+          const float x = q[m][d];
+          a[m] += x * k0;
+          b[m] += x * k1;
+        }
       }
-    }
-    for (int m = 0; m < M; ++m) {
-      store16(scores + m * kp + c0, a[m] * scaling);
-      if (pair) store16(scores + m * kp + c0 + kLanes, b[m] * scaling);
+      for (int m = 0; m < M; ++m) {
+        store16(scores + m * kp + c0, a[m] * scaling);
+        if (pair) store16(scores + m * kp + c0 + kLanes, b[m] * scaling);
+      }
     }
   }
   float rest[M];
@@ -165,22 +171,52 @@ void refine_members(int count, const float* const* q, float* const* out, const C
   }
 }
 
-// One cluster's top-k keys: kt (dk x kvp) their rows transposed (zero columns past kv), key_mean and
-// half_var (which hold the sums over every valid key) less theirs, top_score (kvp) their scaled scores
-// against the centroid. Returns the largest score.
-float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t kvp, const float* __restrict centroid,
-                      float scale, float* __restrict kt, float* __restrict key_mean, float* __restrict half_var,
-                      float* __restrict top_score) {
+// key_mean[d] -= the sum of feature d over the kv rows, and half_var[d] -= the sum of its squares, from
+// the rows themselves (dk a multiple of 16): bit for bit the sums over the transposed keys in
+// gather_top_keys (key j joins lane j % 16's chain in key order; the 16 chains are added in hsum's
+// order, lane-wise here), without its 2 dk hsums, a third of this op's own time at 128 tokens. Below
+// AVX-512 only for the clusters scored from their rows: 16 accumulators take 32 AVX2 registers
+// (i-clustered+ at 512 tokens, one thread: 3.59 -> 3.45 ms with AVX-512, 5.24 -> 5.49 with AVX2).
+void subtract_row_stats(const float* const* rows, int64_t kv, int64_t dk, float* __restrict key_mean,
+                        float* __restrict half_var) {
+  auto subtract = [&](int64_t d0, float* __restrict out, auto term) {
+    f32x16 acc[kLanes];
+    for (int t = 0; t < kLanes; ++t) acc[t] = f32x16{};
+    for (int64_t c0 = 0; c0 < kv; c0 += kLanes)
+      for (int t = 0; t < kLanes && c0 + t < kv; ++t) acc[t] = term(acc[t], load16(rows[c0 + t] + d0));
+    store16(out + d0, load16(out + d0) - tree_sum16(acc));
+  };
+  for (int64_t d0 = 0; d0 < dk; d0 += kLanes) {
+    subtract(d0, key_mean, [](f32x16 acc, f32x16 x) { return acc + x; });
+    subtract(d0, half_var, [](f32x16 acc, f32x16 x) { return acc + x * x; });
+  }
+}
+
+// One cluster's top-k keys: key_mean and half_var (which hold the sums over every valid key) less theirs,
+// top_score (kvp) their scaled scores against the centroid; with from_rows from the kvp rows (zeros past
+// kv), else from kt (dk x kvp), their rows transposed here (zero columns past kv). Returns the largest
+// score.
+float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t kvp, const float* centroid,
+                      float scale, bool from_rows, float* __restrict kt, float* __restrict key_mean,
+                      float* __restrict half_var, float* __restrict top_score) {
+  const bool stats_from_rows = from_rows || (kNativeBytes == 64 && dk % kLanes == 0);
+  if (stats_from_rows) subtract_row_stats(rows, kv, dk, key_mean, half_var);
+  if (from_rows) {
+    row_scores<1>(&centroid, rows, kvp, dk, scale, top_score);
+    return kv > 0 ? max_of(top_score, kv) : kNegInf;
+  }
   transpose_rows(rows, kv, dk, kt);  // zero columns past kv: they add nothing below
-  for (int64_t d = 0; d < dk; ++d) {
-    f32x16 sum = {}, squares = {};
-    for (int64_t c0 = 0; c0 < kvp; c0 += kLanes) {
-      const f32x16 x = load16(kt + d * kvp + c0);
-      sum += x;
-      squares += x * x;
+  if (!stats_from_rows) {
+    for (int64_t d = 0; d < dk; ++d) {
+      f32x16 sum = {}, squares = {};
+      for (int64_t c0 = 0; c0 < kvp; c0 += kLanes) {
+        const f32x16 x = load16(kt + d * kvp + c0);
+        sum += x;
+        squares += x * x;
+      }
+      key_mean[d] -= hsum(sum);
+      half_var[d] -= hsum(squares);
     }
-    key_mean[d] -= hsum(sum);
-    half_var[d] -= hsum(squares);
   }
   // Two vectors of keys at a time: two independent FMA chains over d (one would wait on each FMA).
   f32x16 top = f32x16{} + kNegInf;
@@ -267,7 +303,8 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
   const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
   std::vector<float> kt(dk * kp), vt(k * dvp), scores(kBlock * kp), row(kBlock * dvp), rest_mean(dvp), key_sum(dk),
       square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
-  std::vector<const float*> key_rows(k), value_rows(k);
+  std::vector<float> zero_row(dk);
+  std::vector<const float*> key_rows(kp), value_rows(k);
   std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
   for (int64_t rh = begin; rh < end; ++rh) {
     const int64_t r = rh / heads, h = rh % heads;
@@ -343,7 +380,10 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
       }
       std::copy(key_sum.begin(), key_sum.end(), key_mean.begin());
       std::copy(square_sum.begin(), square_sum.end(), half_var.begin());
-      const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, kt.data(),
+      // A small cluster is scored from its key rows (row_scores), a larger one from its keys transposed.
+      const bool from_rows = dk % kLanes == 0 && members <= kRowScoreMembers;
+      if (from_rows) std::fill(key_rows.begin() + kv, key_rows.begin() + kvp, zero_row.data());
+      const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, from_rows, kt.data(),
                                             key_mean.data(), half_var.data(), top_score.data());
       float top_sum = 0.f;
       for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
@@ -367,7 +407,8 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
         continue;
       }
-      const Cluster cluster{kt.data(), value_rows.data(), kv, key_mean.data(), half_var.data(), log_base, rest_mean.data()};
+      const Cluster cluster{kt.data(), from_rows ? key_rows.data() : nullptr, value_rows.data(), kv,
+                            key_mean.data(), half_var.data(), log_base, rest_mean.data()};
       for (int64_t j = 0; j < members; j += kBlock) {
         const int count = static_cast<int>(std::min<int64_t>(kBlock, members - j));
         const float* qs[kBlock];

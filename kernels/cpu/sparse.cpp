@@ -6,7 +6,8 @@
 // scores, online softmax, top-k (per-lane candidate buffers, a linear selection when one fills) and Vc over tiles of 256 keys,
 // with no (C, N) matrix in memory. topk_refine: one task per (row, head): queries sorted by cluster, each
 // cluster's top-k keys transposed once (16 x 16 register transposes) and every member scored against them
-// as a small dense block, four members at a time.
+// as a small dense block, eight members at a time (two below AVX-512); a cluster of at most
+// kRowScoreMembers members is scored from its key rows instead (row_scores, lanes.h).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -216,7 +217,7 @@ void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
 constexpr int kRefineBlock = kNativeBytes == 64 ? 8 : 2;
 
 struct RefineScratch {
-  std::vector<float> kt, kbuf, vbuf, base, scores, qbuf, tail;
+  std::vector<float> kt, kbuf, vbuf, base, scores, qbuf, tail, zero_row;
   std::vector<const float*> krows, vrows;
   std::vector<int64_t> slot, start, fill, order;
   RefineScratch(int64_t n, int64_t clusters, int64_t k, int64_t dk, int64_t dv)
@@ -227,7 +228,8 @@ struct RefineScratch {
         scores(kRefineBlock * pad16(std::max<int64_t>(k, 1))),
         qbuf(kRefineBlock * std::max<int64_t>(dk, 1)),
         tail(16),
-        krows(std::max<int64_t>(k, 1)),
+        zero_row(std::max<int64_t>(dk, 1)),
+        krows(pad16(std::max<int64_t>(k, 1))),
         vrows(std::max<int64_t>(k, 1)),
         slot(std::max<int64_t>(k, 1)),
         start(clusters + 1),
@@ -235,17 +237,11 @@ struct RefineScratch {
         order(std::max<int64_t>(n, 1)) {}
 };
 
-// M (<= 8) members (query rows q[0..M)) against their cluster's kv keys: out rows = base + mass *
-// softmax(q K^T * scaling) V. kt: (dk x kvp) transposed keys; vrows: the kv value rows (dvp floats readable
-// each). Each key vector (scores) and value vector (outputs) is loaded once for the M members; 2M
-// accumulators stay in registers.
+// Scores of M members from the transposed keys kt (dk x kvp): a key's score is one chain of dk multiply-adds
+// in its lane, and each key vector is loaded once for the M members (2M accumulators).
 template <int M>
-BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, int64_t kvp, int64_t kv,
-                            const float* const* vrows, const float* __restrict base, float mass, float scaling,
-                            int64_t dk, int64_t dv, int64_t dvp, float* __restrict scores, float* const* out,
-                            float* __restrict tail) {
-  const float* qm[M];
-  for (int m = 0; m < M; ++m) qm[m] = q[m];
+BC_INLINE void transposed_scores(const float* const* qm, const float* __restrict kt, int64_t kvp, int64_t dk,
+                                 float scaling, float* __restrict scores) {
   int64_t c = 0;
   for (; c + 32 <= kvp; c += 32) {
     f32x16 a[M], b[M];
@@ -271,6 +267,24 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, i
       for (int m = 0; m < M; ++m) a[m] += qm[m][d] * k0;
     }
     for (int m = 0; m < M; ++m) store16(scores + m * kvp + c, a[m] * scaling);
+  }
+}
+
+// M (<= 8) members (query rows q[0..M)) against their cluster's kv keys: out rows = base + mass *
+// softmax(q K^T * scaling) V. The scores come from the transposed keys kt (dk x kvp), or with `from_rows`
+// from the key rows krows (see row_scores); vrows: the kv value rows (dvp floats readable each). Each
+// value vector is loaded once for the M members; 2M accumulators stay in registers.
+template <int M>
+BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, const float* const* krows,
+                            bool from_rows, int64_t kvp, int64_t kv, const float* const* vrows,
+                            const float* __restrict base, float mass, float scaling, int64_t dk, int64_t dv,
+                            int64_t dvp, float* __restrict scores, float* const* out, float* __restrict tail) {
+  const float* qm[M];
+  for (int m = 0; m < M; ++m) qm[m] = q[m];
+  if (from_rows) {
+    row_scores<M>(qm, krows, kvp, dk, scaling, scores);
+  } else {
+    transposed_scores<M>(qm, kt, kvp, dk, scaling, scores);
   }
   // The softmax of each member's scores, one phase for all M members at a time (maxima, exponentials,
   // sums, scaling): each member's steps are a chain of dependent reductions, and phase by phase the M
@@ -343,19 +357,22 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, i
   }
 }
 
-void refine_members(int count, const float* const* q, const float* kt, int64_t kvp, int64_t kv,
-                    const float* const* vrows, const float* base, float mass, float scaling, int64_t dk, int64_t dv,
-                    int64_t dvp, float* scores, float* const* out, float* tail) {
+void refine_members(int count, const float* const* q, const float* kt, const float* const* krows, bool from_rows,
+                    int64_t kvp, int64_t kv, const float* const* vrows, const float* base, float mass, float scaling,
+                    int64_t dk, int64_t dv, int64_t dvp, float* scores, float* const* out, float* tail) {
+#define BC_REFINE(M) \
+  refine_block<M>(q, kt, krows, from_rows, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail)
   switch (count) {
-    case 8: refine_block<8>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 7: refine_block<7>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 6: refine_block<6>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 5: refine_block<5>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 4: refine_block<4>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 3: refine_block<3>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    case 2: refine_block<2>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail); break;
-    default: refine_block<1>(q, kt, kvp, kv, vrows, base, mass, scaling, dk, dv, dvp, scores, out, tail);
+    case 8: BC_REFINE(8); break;
+    case 7: BC_REFINE(7); break;
+    case 6: BC_REFINE(6); break;
+    case 5: BC_REFINE(5); break;
+    case 4: BC_REFINE(4); break;
+    case 3: BC_REFINE(3); break;
+    case 2: BC_REFINE(2); break;
+    default: BC_REFINE(1);
   }
+#undef BC_REFINE
 }
 
 void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
@@ -434,7 +451,13 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
       }
     }
     const int64_t kvp = pad16(kv);
-    transpose_rows(sc.krows.data(), kv, dk, sc.kt.data());
+    // A small cluster's scores come from the key rows: its transposition would cost more than it saves.
+    const bool from_rows = dk % 16 == 0 && members <= kRowScoreMembers;
+    if (from_rows) {
+      std::fill(sc.krows.begin() + kv, sc.krows.begin() + kvp, sc.zero_row.data());
+    } else {
+      transpose_rows(sc.krows.data(), kv, dk, sc.kt.data());
+    }
     const float mass = job.mass[task];
     for (int64_t m0 = 0; m0 < members; m0 += kRefineBlock) {
       const int count = static_cast<int>(std::min<int64_t>(kRefineBlock, members - m0));
@@ -458,8 +481,8 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
         const char* dst = reinterpret_cast<const char*>(out + member[m] * dv);
         for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
       }
-      refine_members(count, qrows, sc.kt.data(), kvp, kv, sc.vrows.data(), base, mass, job.scaling, dk, dv, dvp,
-                     sc.scores.data(), orows, sc.tail.data());
+      refine_members(count, qrows, sc.kt.data(), sc.krows.data(), from_rows, kvp, kv, sc.vrows.data(), base, mass,
+                     job.scaling, dk, dv, dvp, sc.scores.data(), orows, sc.tail.data());
     }
   }
 }

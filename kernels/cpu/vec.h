@@ -272,10 +272,102 @@ BC_INLINE float hsum(f32x16 v) {
 #endif
 }
 
+// Lane L of the result = hsum(a[L]), bit for bit, for 16 vectors at once: the additions of hsum's tree
+// (strides 8, 4, 2, 1) on pairs of vectors, with the shuffles that also transpose (with AVX-512 30
+// two-source shuffles, against 64 for a transpose alone and 16 hsums' 64). The inputs enter in the order
+// that leaves the sums in lane order: bit-reversed with 16 lanes, (0, 4, 1, 5, 2, 6, 3, 7) per 8.
+BC_INLINE f32x16 lane_sums(const f32x16* a) {
+#if BC_NATIVE_BYTES == 32
+  {
+    using Part = f32x16::Part;
+    f32x16 out;
+    for (int g = 0; g < 2; ++g) {
+      Part x[8];
+      constexpr int kSlot[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // input L goes to slot kSlot[L]
+      for (int l = 0; l < 8; ++l) x[kSlot[l]] = a[8 * g + l].p[0] + a[8 * g + l].p[1];  // stride 8
+      Part r[4], s[2];
+      for (int i = 0; i < 4; ++i)  // stride 4: lanes 0-3 slot 2i, 4-7 slot 2i + 1
+        r[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+      for (int i = 0; i < 2; ++i)  // stride 2: pairs of lanes, slots 4i, 4i + 2, 4i + 1, 4i + 3
+        s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+      // stride 1: slots 0, 2, 4, 6, 1, 3, 5, 7
+      out.p[g] = __builtin_shufflevector(s[0], s[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(s[0], s[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    }
+    return out;
+  }
+#elif BC_NATIVE_BYTES < 64
+  {
+    alignas(64) float sums[16];
+    for (int l = 0; l < 16; ++l) sums[l] = hsum(a[l]);
+    return load16(sums);
+  }
+#else
+  {
+    constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    f32x16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i) {  // stride 8: lanes 0-7 slot 2i, 8-15 slot 2i + 1
+      const f32x16 x = a[kReversed[2 * i]], y = a[kReversed[2 * i + 1]];
+      b[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; ++i)  // stride 4: quads, slots 4i, 4i + 2, 4i + 1, 4i + 3
+      c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+             __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)  // stride 2: pairs
+      d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+             __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    // stride 1: lane L holds slot kReversed[L], which is input L
+    return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+#endif
+}
+
+// a[0] + ... + a[15] lane by lane, in hsum's order (pairs 8 apart, then 4, 2, 1): what 16 hsums of the
+// transposed vectors give, with 15 additions and no shuffle.
+BC_INLINE f32x16 tree_sum16(const f32x16* a) {
+  f32x16 b[8];
+  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) b[l] = b[l] + b[l + 4];
+  for (int l = 0; l < 2; ++l) b[l] = b[l] + b[l + 2];
+  return b[0] + b[1];
+}
+
 // In-place transpose of a 16 x 16 block held in 16 vectors (r[i][j] -> r[j][i]): on AVX-512 4 rounds of
-// 16 two-source shuffles (one vpermt2ps each); elsewhere through memory.
+// 16 two-source shuffles (one vpermt2ps each); with AVX2 four 8 x 8 blocks of 24 shuffles each (through
+// memory it took 5.6% of i-clustered+ at 512 tokens); elsewhere through memory.
 BC_INLINE void transpose16(f32x16* r) {
-#if BC_NATIVE_BYTES < 64
+#if BC_NATIVE_BYTES == 32
+  {
+    using Part = f32x16::Part;
+    Part block[2][2][8];  // [row half][column half][row]: 8 x 8 blocks, transposed in place
+    for (int i = 0; i < 16; ++i)
+      for (int h = 0; h < 2; ++h) block[i / 8][h][i % 8] = r[i].p[h];
+    for (int bi = 0; bi < 2; ++bi)
+      for (int bj = 0; bj < 2; ++bj) {
+        Part* x = block[bi][bj];
+        Part t[8], u[8];
+        for (int i = 0; i < 8; i += 2) {  // interleave pairs of rows
+          t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+          t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+        }
+        for (int i = 0; i < 8; i += 4)  // pairs of elements of 4 rows
+          for (int j = 0; j < 2; ++j) {
+            u[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * j + 1] = __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+          }
+        for (int j = 0; j < 4; ++j) {  // 128-bit halves
+          x[j] = __builtin_shufflevector(u[j], u[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+          x[j + 4] = __builtin_shufflevector(u[j], u[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+        }
+      }
+    for (int j = 0; j < 16; ++j)  // row j of the result: column j, from the blocks of its column half
+      for (int h = 0; h < 2; ++h) r[j].p[h] = block[h][j / 8][j % 8];
+  }
+#elif BC_NATIVE_BYTES < 64
   {
     float block[16][16];
     std::memcpy(block, r, sizeof(block));

@@ -205,3 +205,46 @@ def test_more_than_k_ties_at_plus_inf_pick_k_keys_like_the_reference(backend, de
     torch.testing.assert_close(
         got.cpu(), expected.cpu(), equal_nan=True, rtol=1e-5, atol=1e-5
     )  # measured 0.0
+
+
+@pytest.mark.parametrize(("backend", "device"), _kernel_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dk", [48, 64, 40])
+def test_refinement_of_small_and_large_clusters_matches_the_reference(backend, device, dtype, dk) -> None:
+    """Clusters of 1 to 12 queries and one of 180 in a head, plus padded queries.
+
+    The CPU kernels score a small cluster's queries from its key rows and a large one's from its keys
+    transposed (and any cluster's from the transposed keys when Dk is not a multiple of 16): every path
+    against the reference, in topk_refine and (CPU only) i-clustered+'s refine_with_query_mass.
+    """
+    _require(backend)
+    generator = torch.Generator().manual_seed(8)
+    n, clusters, topk = 280, 13, 32
+    q, k, v = (torch.randn(1, 2, n, dk, generator=generator).to(dtype) for _ in range(3))
+    sizes = [180, *range(1, 13)]  # 258 queries in clusters, the last 22 padded
+    assign = torch.cat([torch.full((size,), c) for c, size in enumerate(sizes)] + [torch.full((22,), -1)])
+    assignments = torch.stack([assign, assign[torch.randperm(n, generator=generator)]]).unsqueeze(0)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    centroids, _ = ref.group_queries(q, assignments, clusters)
+    scaling = 1 / math.sqrt(dk)
+    attended = ref.centroid_attention(centroids, k, v, valid, topk, scaling)
+    expected = ref.topk_refine(q, k, v, assignments, *attended, scaling)
+    got = dispatch.BACKENDS[backend].topk_refine(
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        assignments.to(device),
+        *(t.to(device) for t in attended),
+        scaling,
+    )
+    # measured max abs error 1.6e-7 (CPU, 2026-12-02); 4e-6 is OP_ATOL of tests/ops/test_ops.py
+    torch.testing.assert_close(got.cpu(), expected, atol=4e-6, rtol=0)
+    if backend != "cpu":
+        return
+    from bert_cluster import ops
+
+    args = (q, k, v, valid, assignments, centroids, *attended, scaling)
+    # measured max abs error 3.3e-7 (CPU, 2026-12-02)
+    torch.testing.assert_close(
+        ops.refine_with_query_mass(*args), ref.refine_with_query_mass(*args), atol=4e-6, rtol=0
+    )
