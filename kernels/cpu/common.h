@@ -35,6 +35,18 @@ inline at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return (t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
 }
 
+// One (row, head) of a Rows: its row i at base + i * step bytes, with no index arithmetic left per row.
+struct HeadRows {
+  const char* base = nullptr;
+  int64_t step = 0;
+
+  const void* ptr(int64_t i) const { return base + i * step; }
+  template <typename T>
+  const T* at(int64_t i) const {
+    return reinterpret_cast<const T*>(base + i * step);
+  }
+};
+
 // One (R, H, N, D) tensor read in place: element (r, h, i, d) at data + r*s0 + h*s1 + i*s2 + d.
 struct Rows {
   const void* data = nullptr;
@@ -56,6 +68,7 @@ struct Rows {
   const T* at(int64_t r, int64_t h, int64_t i = 0) const {
     return static_cast<const T*>(data) + r * s0 + h * s1 + i * s2;
   }
+  HeadRows head(int64_t r, int64_t h) const { return {static_cast<const char*>(ptr(r, h, 0)), s2 * itemsize}; }
 };
 
 // This thread's scratch object of type T built from `args`, kept for its next call with the same args. For

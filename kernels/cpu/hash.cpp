@@ -15,6 +15,7 @@
 
 #include "../checks.h"
 #include "common.h"
+#include "lanes.h"
 #include "parallel.h"
 #include "steps.h"
 #include "vec.h"
@@ -522,6 +523,29 @@ void assign_round(BlockFn block, const uint64_t* __restrict hashes, const bool* 
   }
 }
 
+// kmeans_one's buffers, kept per thread: allocating and zero-filling eleven of them for every head was
+// about 3% of a call at 128 tokens. Each is filled, cleared or written before it is read.
+struct KmeansScratch {
+  std::vector<uint64_t> seen, cent, keys;
+  std::vector<int64_t> first, members, waiting;
+  std::vector<int32_t> present, moved, pending;
+  std::vector<uint32_t> ones;
+  std::vector<uint8_t> small;
+  KmeansScratch(int64_t n, int64_t clusters, int64_t capacity)
+      : seen(capacity),
+        cent(clusters),
+        keys(n),
+        members(clusters),
+        waiting(n),
+        moved(clusters),
+        pending(clusters),
+        ones(clusters * 64),
+        small(clusters * 64) {
+    first.reserve(n);
+    present.reserve(clusters);
+  }
+};
+
 // Lloyd's K-means in Hamming space for one (row, head); see reference.hamming_kmeans for every rule.
 void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict valid, int64_t n, int64_t clusters,
                 int64_t iterations, int64_t bits, int64_t* __restrict assign, int64_t* __restrict centroids) {
@@ -534,8 +558,11 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   while ((int64_t{1} << (64 - shift)) < 2 * n) --shift;  // capacity 2^(64 - shift) >= 2n
   const uint64_t cap_mask = (uint64_t{1} << (64 - shift)) - 1;
   constexpr uint64_t kFree = ~uint64_t{0};
-  std::vector<uint64_t> seen(cap_mask + 1, kFree);
-  std::vector<int64_t> first;
+  KmeansScratch& sc = thread_scratch<KmeansScratch>(n, clusters, static_cast<int64_t>(cap_mask + 1));
+  std::vector<uint64_t>& seen = sc.seen;
+  std::fill(seen.begin(), seen.end(), kFree);
+  std::vector<int64_t>& first = sc.first;
+  first.clear();
   for (int64_t i = 0; i < n; ++i) {
     if (!valid[i]) continue;
     TORCH_CHECK_VALUE(hashes_in[i] >= 0 && (bits == 63 || hashes_in[i] < (int64_t{1} << bits)),
@@ -550,8 +577,10 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   }
   const int64_t distinct = static_cast<int64_t>(first.size());
 
-  std::vector<uint64_t> cent(clusters);
-  std::vector<int32_t> present, moved(clusters);  // the present centroids; those the last vote changed
+  std::vector<uint64_t>& cent = sc.cent;
+  std::vector<int32_t>& present = sc.present;  // the present centroids
+  std::vector<int32_t>& moved = sc.moved;      // those the last vote changed
+  present.clear();
   for (int64_t s = 0; s < clusters; ++s) {
     const bool is_present = s < distinct || distinct > clusters;
     const int64_t pick = distinct > clusters ? (s * distinct) / clusters : s;
@@ -561,12 +590,14 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
   const int64_t present_count = static_cast<int64_t>(present.size());
 
   const BlockFn block = pick_block(clusters);
-  std::vector<uint32_t> ones(clusters * 64);
-  std::vector<uint8_t> small(clusters * 64);
-  std::vector<int32_t> pending(clusters);
-  std::vector<int64_t> members(clusters);
-  std::vector<uint64_t> keys(n);
-  std::vector<int64_t> waiting(n);  // queries a round scans again
+  std::vector<uint32_t>& ones = sc.ones;
+  std::vector<uint8_t>& small = sc.small;
+  std::vector<int32_t>& pending = sc.pending;
+  std::fill(small.begin(), small.end(), uint8_t{0});
+  std::fill(pending.begin(), pending.end(), 0);
+  std::vector<int64_t>& members = sc.members;
+  std::vector<uint64_t>& keys = sc.keys;
+  std::vector<int64_t>& waiting = sc.waiting;  // queries a round scans again
   int64_t moved_count = 0;
   auto round = [&](bool first) {
     // A round costs about moved_count scans of every query (each a little dearer than a full round's),
@@ -598,14 +629,19 @@ void kmeans_one(const int64_t* __restrict hashes_in, const bool* __restrict vali
 
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk) {
+PaddedPlanes padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk) {
   const int64_t bits = planes.size(0);
-  const auto f32 = planes.options().dtype(at::kFloat);
-  at::Tensor planes_t = at::zeros({std::max<int64_t>(dk, 1), 64}, f32);
-  planes_t.narrow(0, 0, dk).narrow(1, 0, bits).copy_(planes.t());
-  at::Tensor off = at::zeros({64}, f32);
-  off.narrow(0, 0, bits).copy_(offsets);
-  return {planes_t, off};
+  const at::Tensor p = planes.contiguous(), o = offsets.contiguous();
+  const InputType type = input_type(p);
+  PaddedPlanes out{std::vector<float>(std::max<int64_t>(dk, 1) * 64, 0.f), std::vector<float>(64, 0.f)};
+  std::vector<float> row(std::max<int64_t>(dk, 1));
+  const char* src = static_cast<const char*>(p.data_ptr());
+  for (int64_t b = 0; b < bits; ++b) {
+    widen_row(type, src + b * dk * p.element_size(), row.data(), dk);
+    for (int64_t d = 0; d < dk; ++d) out.planes_t[d * 64 + b] = row[d];
+  }
+  widen_row(input_type(o), o.data_ptr(), out.offsets.data(), bits);
+  return out;
 }
 
 void hash_rows(const HashJob& job, int64_t begin, int64_t end) { hash_range(job, begin, end); }
@@ -619,11 +655,11 @@ at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes,
   check_hash_args(queries, planes, offsets);
   const at::Tensor q = last_dim_contiguous(queries);
   const int64_t bits = planes.size(0), dk = queries.size(3);
-  const auto [planes_t, off] = padded_planes(planes, offsets, dk);
+  const PaddedPlanes padded = padded_planes(planes, offsets, dk);
   at::Tensor out = at::empty(queries.sizes().slice(0, 3), queries.options().dtype(at::kLong));
   const int64_t count = out.numel();
   if (count == 0) return out;
-  HashJob job{Rows::of(q), input_type(q), planes_t.data_ptr<float>(), off.data_ptr<float>(), queries.size(1),
+  HashJob job{Rows::of(q), input_type(q), padded.planes_t.data(), padded.offsets.data(), queries.size(1),
               queries.size(2), dk, bits, out.data_ptr<int64_t>()};
   const int64_t vectors = (bits + 15) / 16;
   parallel_for(0, count, grain_for(std::max<int64_t>(dk, 1) * vectors * 16),

@@ -74,16 +74,20 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   const auto f32 = queries.options().dtype(at::kFloat);
   at::Tensor out = at::empty({rows, heads, n, dv}, f32);
   if (out.numel() == 0 || n == 0) return out.zero_();
-  const auto [planes_t, off] = padded_planes(planes, offsets, dk);
+  const PaddedPlanes padded = padded_planes(planes, offsets, dk);
   at::Tensor hashes = at::empty({rows, heads, n}, i64);
   at::Tensor assign = at::empty({rows, heads, n}, i64);
   at::Tensor centroid_hashes = at::empty({rows, heads, clusters}, i64);
-  at::Tensor centroids = at::zeros({rows, heads, clusters, dk}, f32);
-  at::Tensor counts = at::zeros({rows, heads, clusters}, f32);
+  // Not zero-filled here (a memset of every head on the calling thread): each head's task writes its own
+  // centroids and counts (group_heads clears them first, Lloyd's rounds write them), and centroid
+  // attention its mass and top-k values, except with k = 0, whose refinement still reads them as zeros.
+  at::Tensor centroids = at::empty({rows, heads, clusters, dk}, f32);
+  at::Tensor counts = at::empty({rows, heads, clusters}, f32);
   at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, f32);
   at::Tensor indices = at::empty({rows, heads, clusters, k}, i64);
-  at::Tensor mass = at::zeros({rows, heads, clusters}, f32);
-  at::Tensor top_values = at::zeros({rows, heads, clusters, dv}, f32);
+  at::Tensor mass = k > 0 ? at::empty({rows, heads, clusters}, f32) : at::zeros({rows, heads, clusters}, f32);
+  at::Tensor top_values =
+      k > 0 ? at::empty({rows, heads, clusters, dv}, f32) : at::zeros({rows, heads, clusters, dv}, f32);
 
   const bool* okp = ok.data_ptr<bool>();
   int64_t* hp = hashes.data_ptr<int64_t>();
@@ -95,7 +99,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   valid_spans(okp, rows, n, lo.data(), hi.data());
   const int64_t groups = (clusters + kLaneCount - 1) / kLaneCount;
 
-  const HashJob hash_job{Rows::of(q), input_type(q), planes_t.data_ptr<float>(), off.data_ptr<float>(), heads, n, dk,
+  const HashJob hash_job{Rows::of(q), input_type(q), padded.planes_t.data(), padded.offsets.data(), heads, n, dk,
                          bits, hp};
   const GroupJob group_job{Rows::of(q), input_type(q), ap, heads, n, clusters, dk, cenp, cntp};
   const CentroidJob centroid_job{cenp, Rows::of(kk), Rows::of(vv), input_type(kk), okp, lo.data(), hi.data(), heads, n,

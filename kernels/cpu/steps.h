@@ -23,8 +23,13 @@ struct HashJob {
   int64_t* out;  // (R, H, N) contiguous
 };
 
-// The planes transposed and zero-padded to 64 columns, and the offsets zero-padded to 64 (float32, CPU).
-std::pair<at::Tensor, at::Tensor> padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk);
+// The planes transposed and zero-padded to 64 columns, and the offsets zero-padded to 64, as float32: plain
+// buffers filled by loops (two zero tensors and a strided copy through ATen cost several microseconds a
+// call, as much as a head's hashing at 128 tokens).
+struct PaddedPlanes {
+  std::vector<float> planes_t, offsets;
+};
+PaddedPlanes padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk);
 
 // Hashes of the flattened (R * H * N) query rows [begin, end).
 void hash_rows(const HashJob& job, int64_t begin, int64_t end);
@@ -41,8 +46,8 @@ struct GroupJob {
   InputType type;
   const int64_t* assign;
   int64_t heads, n, clusters, dk;
-  float* sums;    // (R, H, C, Dk), zeroed
-  float* counts;  // (R, H, C), zeroed
+  float* sums;    // (R, H, C, Dk): each head's cleared, then its sums, then its means
+  float* counts;  // (R, H, C): each head's cleared, then its counts
 };
 
 void group_query_heads(const GroupJob& job, int64_t begin, int64_t end);
@@ -57,8 +62,10 @@ struct CentroidJob {
   const int64_t *span_lo, *span_hi;  // each row's valid span (valid_spans)
   int64_t heads, n, clusters, groups, dk, dv, k;
   float scaling;
-  float *centroid_values, *mass, *top_values;  // (R, H, C, Dv), (R, H, C) zeroed, (R, H, C, Dv) zeroed
-  int64_t* indices;                            // (R, H, C, k)
+  // (R, H, C, Dv), (R, H, C), (R, H, C, Dv): every cluster's written; with k = 0 mass and top_values are
+  // not touched (the caller passes zeros, which the refinement reads)
+  float *centroid_values, *mass, *top_values;
+  int64_t* indices;  // (R, H, C, k)
 };
 
 void centroid_attention_tasks(const CentroidJob& job, int64_t begin, int64_t end);

@@ -85,6 +85,25 @@ def test_the_cpu_backend_runs_the_fused_op(monkeypatch) -> None:
     assert calls == [config.mode]
 
 
+@pytest.mark.parametrize("mode", ["i-clustered", "i-clustered+"])
+def test_no_topk_keys_leaves_the_clustered_output(mode: str) -> None:
+    """topk = 0: no key is refined, so the improved modes give clustered attention's output exactly (the op
+    reads the top-k mass and values as zeros then, which the other settings overwrite per cluster)."""
+    _require_cpu()
+    from bert_cluster import ops
+
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 50, 16, generator=generator) for _ in range(3))
+    valid = torch.ones(2, 50, dtype=torch.bool)
+    valid[1, 30:] = False
+    planes, offsets = attention.hash_planes(0, 0, 20, 16)
+    for _ in range(2):  # the second call reuses the first one's freed memory
+        clustered = ops.clustered_heads(q, k, v, valid, planes, offsets, 6, 0, 5, "clustered", 0, 0.25)
+        improved = ops.clustered_heads(q, k, v, valid, planes, offsets, 6, 0, 5, mode, 0, 0.25)
+        assert torch.equal(improved, clustered)
+        assert clustered[1, :, 30:].abs().sum() == 0 and clustered[0].abs().sum() > 0
+
+
 def test_opcheck() -> None:
     _require_cpu()
     from bert_cluster import ops
