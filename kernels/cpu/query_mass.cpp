@@ -385,8 +385,13 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
       if (from_rows) std::fill(key_rows.begin() + kv, key_rows.begin() + kvp, zero_row.data());
       const float top_max = gather_top_keys(key_rows.data(), kv, dk, kvp, centroid, scale, from_rows, kt.data(),
                                             key_mean.data(), half_var.data(), top_score.data());
-      float top_sum = 0.f;
-      for (int64_t j = 0; j < kv; ++j) top_sum += std::exp(top_score[j] - top_max);
+      // The exps of the top-k scores 16 at a time, as the members' softmax takes them: one libm call per
+      // key, its sum kept in memory around each call, was 3.5% of a call at 128 tokens (0.857 -> 0.815 ms,
+      // one thread). The sum adds in another order, at rounding level.
+      f32x16 top_exps = {};
+      for (int64_t c0 = 0; c0 < kv; c0 += kLanes)
+        top_exps += select(first_lanes(kv - c0), fast_exp16(load16(top_score.data() + c0) - top_max), f32x16{});
+      const float top_sum = hsum(top_exps);
       const float rest_count = static_cast<float>(std::max<int64_t>(valid_keys - kv, 1));
       for (int64_t d = 0; d < dk; ++d) {
         key_mean[d] /= rest_count;
