@@ -29,6 +29,25 @@ enum class Mode { kClustered, kImproved, kImprovedPlus };
 
 constexpr int64_t kPerHeadBytes = int64_t{1} << 20;
 
+// The jobs of every step of one call.
+struct StepJobs {
+  HashJob hash;
+  GroupJob group;
+  CentroidJob centroid;
+  RefineJob refine;
+  QueryMassJob mass;
+
+  // The same jobs on float32 rows q, k, v that resolve every (row, head) to one widened head.
+  StepJobs reading(const Rows& q, const Rows& k, const Rows& v) const {
+    StepJobs head = *this;
+    head.hash.q = head.group.q = head.refine.q = head.mass.q = q;
+    head.centroid.keys = head.refine.keys = head.mass.keys = k;
+    head.centroid.values = head.refine.values = head.mass.values = v;
+    head.hash.type = head.group.type = head.centroid.type = head.refine.type = InputType::kFloat32;
+    return head;
+  }
+};
+
 Mode parse_mode(c10::string_view name) {
   const std::string mode(name.data(), name.size());
   if (mode == "clustered") return Mode::kClustered;
@@ -64,12 +83,18 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   // at 8,192 x 32 and 7% at 4,096 x 64).
   const int64_t head_bytes = n * (2 * dk + dv) * static_cast<int64_t>(q.element_size());
   const bool per_head = rh_count >= at::get_num_threads() && head_bytes <= kPerHeadBytes;
-  // i-clustered+ reads float32 queries (Lloyd rounds, refinement) and keys and values (refinement), as its
-  // ops do: fp16/bf16 heads are widened one at a time into a worker's buffers (the values a widened copy of
-  // the whole tensors would hold, without allocating three float32 tensors per call: at 4,096 tokens in
-  // bf16 their page faults made a call take 15 to 27 ms from run to run, against 13 ms).
+  // fp16/bf16 inputs: a head run in one task is widened to float32 once, into the worker's buffers, and
+  // every step reads those rows (the same values, so the same bits: the steps widen in registers exactly
+  // so). Read in place, each step widened its own rows again (hashing every query, centroid attention its
+  // key and value tiles, the refinement each cluster's top-k rows: at 128 tokens each key about C * k / N
+  // times), and a bf16 call took 1.35x an fp32 one (12 heads x 128 x 64, i-clustered). Run step by step,
+  // i-clustered+ still reads float32 queries (Lloyd rounds, refinement) and keys and values (refinement),
+  // as its ops do: its heads are widened one at a time for those steps (the values a widened copy of the
+  // whole tensors would hold, without allocating three float32 tensors per call: at 4,096 tokens in bf16
+  // their page faults made a call take 15 to 27 ms from run to run, against 13 ms).
   const bool plus = mode == Mode::kImprovedPlus;
-  const bool widen_heads = plus && q.scalar_type() != at::kFloat;
+  const bool narrow = q.scalar_type() != at::kFloat;
+  const bool widen_heads = plus && narrow;
   const auto i64 = queries.options().dtype(at::kLong);
   const auto f32 = queries.options().dtype(at::kFloat);
   at::Tensor out = at::empty({rows, heads, n, dv}, f32);
@@ -99,23 +124,22 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   valid_spans(okp, rows, n, lo.data(), hi.data());
   const int64_t groups = (clusters + kLaneCount - 1) / kLaneCount;
 
-  const HashJob hash_job{Rows::of(q), input_type(q), padded.planes_t.data(), padded.offsets.data(), heads, n, dk,
-                         bits, hp};
-  const GroupJob group_job{Rows::of(q), input_type(q), ap, heads, n, clusters, dk, cenp, cntp};
-  const CentroidJob centroid_job{cenp, Rows::of(kk), Rows::of(vv), input_type(kk), okp, lo.data(), hi.data(), heads, n,
-                                 clusters, groups, dk, dv, k, static_cast<float>(scaling),
-                                 centroid_values.data_ptr<float>(), mass.data_ptr<float>(),
-                                 top_values.data_ptr<float>(), indices.data_ptr<int64_t>()};
-  const RefineJob refine_job{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), ap,
-                             centroid_values.data_ptr<float>(), mass.data_ptr<float>(), top_values.data_ptr<float>(),
-                             indices.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
-                             out.data_ptr<float>()};
-  QueryMassJob mass_job{};
+  StepJobs jobs{};
+  jobs.hash = HashJob{Rows::of(q), input_type(q), padded.planes_t.data(), padded.offsets.data(), heads, n, dk, bits, hp};
+  jobs.group = GroupJob{Rows::of(q), input_type(q), ap, heads, n, clusters, dk, cenp, cntp};
+  jobs.centroid = CentroidJob{cenp, Rows::of(kk), Rows::of(vv), input_type(kk), okp, lo.data(), hi.data(), heads, n,
+                              clusters, groups, dk, dv, k, static_cast<float>(scaling),
+                              centroid_values.data_ptr<float>(), mass.data_ptr<float>(),
+                              top_values.data_ptr<float>(), indices.data_ptr<int64_t>()};
+  jobs.refine = RefineJob{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), ap,
+                          centroid_values.data_ptr<float>(), mass.data_ptr<float>(), top_values.data_ptr<float>(),
+                          indices.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
+                          out.data_ptr<float>()};
   if (plus) {
-    mass_job = QueryMassJob{widen_heads ? Rows{} : Rows::of(q), widen_heads ? Rows{} : Rows::of(kk),
-                            widen_heads ? Rows{} : Rows::of(vv), okp, ap, cenp, centroid_values.data_ptr<float>(),
-                            mass.data_ptr<float>(), top_values.data_ptr<float>(), indices.data_ptr<int64_t>(), heads, n,
-                            clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
+    jobs.mass = QueryMassJob{widen_heads ? Rows{} : Rows::of(q), widen_heads ? Rows{} : Rows::of(kk),
+                             widen_heads ? Rows{} : Rows::of(vv), okp, ap, cenp, centroid_values.data_ptr<float>(),
+                             mass.data_ptr<float>(), top_values.data_ptr<float>(), indices.data_ptr<int64_t>(), heads,
+                             n, clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
   }
   auto kmeans = [&](int64_t rh) {
     hamming_kmeans_head(hp + rh * n, okp + (rh / heads) * n, n, clusters, iterations, bits, ap + rh * n,
@@ -126,14 +150,14 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     lloyd_refine_head(job.q.at<float>(rh / heads, rh % heads), job.q.s2, n, dk, clusters, lloyd_rounds, ap + rh * n,
                       cenp + rh * clusters * dk, cntp + rh * clusters, scratch);
   };
-  auto finish = [&](const QueryMassJob& job, int64_t begin, int64_t end) {
+  auto finish = [&](const StepJobs& job, int64_t begin, int64_t end) {
     switch (mode) {
       case Mode::kClustered:
         broadcast_cluster_heads(centroid_values.data_ptr<float>(), ap, n, clusters, dv, begin, end,
                                 out.data_ptr<float>());
         break;
-      case Mode::kImproved: topk_refine_heads(refine_job, begin, end); break;
-      case Mode::kImprovedPlus: query_mass_heads(job, begin, end); break;
+      case Mode::kImproved: topk_refine_heads(job.refine, begin, end); break;
+      case Mode::kImprovedPlus: query_mass_heads(job.mass, begin, end); break;
     }
   };
   // Head rh of `src` (n rows of d values) as float32 in `buf`, as Rows that resolve every (row, head) to it.
@@ -164,30 +188,27 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     // One item per worker; the grain keeps a call too small to pay for a parallel region on one thread.
     parallel_for(0, workers, grain_for(head_cost * rh_count / workers), [&](int64_t, int64_t) {
                    LloydScratch scratch;
-                   std::vector<float> wq, wk, wv;  // a head widened to float32 (i-clustered+ on fp16/bf16)
+                   std::vector<float> wq, wk, wv;  // a fp16/bf16 head widened to float32
                    for (int64_t rh = next.fetch_add(1); rh < rh_count; rh = next.fetch_add(1)) {
-                     QueryMassJob job = mass_job;
-                     if (widen_heads) {
-                       job.q = widened(q, rh, dk, wq);
-                       job.keys = widened(kk, rh, dk, wk);
-                       job.values = widened(vv, rh, dv, wv);
-                     }
-                     hash_rows(hash_job, rh * n, (rh + 1) * n);
+                     const StepJobs head = narrow ? jobs.reading(widened(q, rh, dk, wq), widened(kk, rh, dk, wk),
+                                                                 widened(vv, rh, dv, wv))
+                                                  : jobs;
+                     hash_rows(head.hash, rh * n, (rh + 1) * n);
                      kmeans(rh);
                      if (plus) {
-                       lloyd(job, rh, scratch);
+                       lloyd(head.mass, rh, scratch);
                      } else {
-                       group_query_heads(group_job, rh, rh + 1);
+                       group_query_heads(head.group, rh, rh + 1);
                      }
-                     centroid_attention_tasks(centroid_job, rh * groups, (rh + 1) * groups);
-                     finish(job, rh, rh + 1);
+                     centroid_attention_tasks(head.centroid, rh * groups, (rh + 1) * groups);
+                     finish(head, rh, rh + 1);
                    }
                  });
     return out;
   }
   // Few or large (row, head)s: each step parallel on its own, with the grains of the separate ops.
   parallel_for(0, rh_count * n, grain_for(std::max<int64_t>(dk, 1) * vectors * 16),
-               [&](int64_t begin, int64_t end) { hash_rows(hash_job, begin, end); });
+               [&](int64_t begin, int64_t end) { hash_rows(jobs.hash, begin, end); });
   parallel_for(0, rh_count, grain_for(n * clusters * iterations * 32), [&](int64_t begin, int64_t end) {
     for (int64_t rh = begin; rh < end; ++rh) kmeans(rh);
   });
@@ -197,28 +218,24 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                    LloydScratch scratch;
                    std::vector<float> wq;
                    for (int64_t rh = begin; rh < end; ++rh) {
-                     QueryMassJob job = mass_job;
+                     QueryMassJob job = jobs.mass;
                      if (widen_heads) job.q = widened(q, rh, dk, wq);
                      lloyd(job, rh, scratch);
                    }
                  });
   } else {
     parallel_for(0, rh_count, grain_for(n * dk),
-                 [&](int64_t begin, int64_t end) { group_query_heads(group_job, begin, end); });
+                 [&](int64_t begin, int64_t end) { group_query_heads(jobs.group, begin, end); });
   }
   parallel_for(0, rh_count * groups, grain_for(n * (dk + dv + 16) * kLaneCount / 16),
-               [&](int64_t begin, int64_t end) { centroid_attention_tasks(centroid_job, begin, end); });
+               [&](int64_t begin, int64_t end) { centroid_attention_tasks(jobs.centroid, begin, end); });
   parallel_for(0, rh_count, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
                [&](int64_t begin, int64_t end) {
-                 if (!widen_heads) return finish(mass_job, begin, end);
+                 if (!widen_heads) return finish(jobs, begin, end);
                  std::vector<float> wq, wk, wv;
-                 for (int64_t rh = begin; rh < end; ++rh) {
-                   QueryMassJob job = mass_job;
-                   job.q = widened(q, rh, dk, wq);
-                   job.keys = widened(kk, rh, dk, wk);
-                   job.values = widened(vv, rh, dv, wv);
-                   finish(job, rh, rh + 1);
-                 }
+                 for (int64_t rh = begin; rh < end; ++rh)
+                   finish(jobs.reading(widened(q, rh, dk, wq), widened(kk, rh, dk, wk), widened(vv, rh, dv, wv)),
+                          rh, rh + 1);
                });
   return out;
 }
