@@ -46,7 +46,8 @@ from bert_cluster.config import ClusteredAttentionConfig
 CACHE_ENV = "BERT_CLUSTER_CACHE_DIR"
 #: v2: the CPU kernels run a call as one op (clustered_heads), which moved the crossover (v1 is stale).
 #: v3: their top-k and K-means got faster (the same results), which moves it again.
-CACHE_FILE = "crossover-v3.json"
+#: v4: fp16/bf16 calls widen each head once instead of in every step (faster in those dtypes).
+CACHE_FILE = "crossover-v4.json"
 #: Row lengths tried, shortest first.
 LENGTHS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 #: Clustering counts as faster when it takes at most this share of SDPA's time (a safety margin, so

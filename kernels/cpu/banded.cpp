@@ -29,7 +29,7 @@ struct BandJob {
 };
 
 struct BandScratch {
-  std::vector<float> qt, s, kbuf, vbuf, acc, row;
+  Floats qt, s, kbuf, vbuf, acc, row;
   std::vector<int32_t> first, last;
   BandScratch(int64_t dk, int64_t dv)
       : qt(std::max<int64_t>(dk, 1) * kLaneCount),

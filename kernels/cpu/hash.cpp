@@ -101,7 +101,7 @@ BC_INLINE void hash_rows_t(const T* q, int64_t stride, const float* planes_t, co
 
 // Rows [begin, end) of the flattened (R * H * N) queries, cut at (row, head) boundaries.
 void hash_range(const HashJob& job, int64_t begin, int64_t end) {
-  std::vector<float> buf(8 * std::max<int64_t>(job.dk, 1));  // QB <= 8 widened rows
+  Floats buf(8 * std::max<int64_t>(job.dk, 1));  // QB <= 8 widened rows
   for (int64_t x = begin; x < end;) {
     const int64_t rh = x / job.n, i = x % job.n, r = rh / job.heads, h = rh % job.heads;
     const int64_t count = std::min(end, (rh + 1) * job.n) - x;
@@ -633,8 +633,8 @@ PaddedPlanes padded_planes(const at::Tensor& planes, const at::Tensor& offsets, 
   const int64_t bits = planes.size(0);
   const at::Tensor p = planes.contiguous(), o = offsets.contiguous();
   const InputType type = input_type(p);
-  PaddedPlanes out{std::vector<float>(std::max<int64_t>(dk, 1) * 64, 0.f), std::vector<float>(64, 0.f)};
-  std::vector<float> row(std::max<int64_t>(dk, 1));
+  PaddedPlanes out{Floats(std::max<int64_t>(dk, 1) * 64, 0.f), Floats(64, 0.f)};
+  Floats row(std::max<int64_t>(dk, 1));
   const char* src = static_cast<const char*>(p.data_ptr());
   for (int64_t b = 0; b < bits; ++b) {
     widen_row(type, src + b * dk * p.element_size(), row.data(), dk);

@@ -162,7 +162,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   };
   // Head rh of `src` (n rows of d values) as float32 in `buf`, as Rows that resolve every (row, head) to it.
   const InputType type = input_type(q);
-  auto widened = [&](const at::Tensor& src, int64_t rh, int64_t d, std::vector<float>& buf) {
+  auto widened = [&](const at::Tensor& src, int64_t rh, int64_t d, Floats& buf) {
     const Rows rows_in = Rows::of(src);
     buf.resize(static_cast<size_t>(n * d));
     for (int64_t i = 0; i < n; ++i) widen_row(type, rows_in.ptr(rh / heads, rh % heads, i), buf.data() + i * d, d);
@@ -188,7 +188,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     // One item per worker; the grain keeps a call too small to pay for a parallel region on one thread.
     parallel_for(0, workers, grain_for(head_cost * rh_count / workers), [&](int64_t, int64_t) {
                    LloydScratch scratch;
-                   std::vector<float> wq, wk, wv;  // a fp16/bf16 head widened to float32
+                   Floats wq, wk, wv;  // a fp16/bf16 head widened to float32
                    for (int64_t rh = next.fetch_add(1); rh < rh_count; rh = next.fetch_add(1)) {
                      const StepJobs head = narrow ? jobs.reading(widened(q, rh, dk, wq), widened(kk, rh, dk, wk),
                                                                  widened(vv, rh, dv, wv))
@@ -216,7 +216,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
     parallel_for(0, rh_count, grain_for(n * clusters * dk * std::max<int64_t>(lloyd_rounds, 1)),
                  [&](int64_t begin, int64_t end) {
                    LloydScratch scratch;
-                   std::vector<float> wq;
+                   Floats wq;
                    for (int64_t rh = begin; rh < end; ++rh) {
                      QueryMassJob job = jobs.mass;
                      if (widen_heads) job.q = widened(q, rh, dk, wq);
@@ -232,7 +232,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   parallel_for(0, rh_count, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
                [&](int64_t begin, int64_t end) {
                  if (!widen_heads) return finish(jobs, begin, end);
-                 std::vector<float> wq, wk, wv;
+                 Floats wq, wk, wv;
                  for (int64_t rh = begin; rh < end; ++rh)
                    finish(jobs.reading(widened(q, rh, dk, wq), widened(kk, rh, dk, wk), widened(vv, rh, dv, wv)),
                           rh, rh + 1);

@@ -301,9 +301,9 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
   const float scale = job.scaling;
   const int64_t kp = round_up(k), dvp = round_up(dv);
   const bool value_rows_direct = dv % kLanes == 0;  // whole vectors: the kernel reads the value rows in place
-  std::vector<float> kt(dk * kp), vt(k * dvp), scores(kBlock * kp), row(kBlock * dvp), rest_mean(dvp), key_sum(dk),
+  Floats kt(dk * kp), vt(k * dvp), scores(kBlock * kp), row(kBlock * dvp), rest_mean(dvp), key_sum(dk),
       square_sum(dk), key_mean(dk), half_var(dk), top_score(kp);
-  std::vector<float> zero_row(dk);
+  Floats zero_row(dk);
   std::vector<const float*> key_rows(kp), value_rows(k);
   std::vector<int64_t> slot(k), start(clusters + 1), fill(clusters), order(n);
   for (int64_t rh = begin; rh < end; ++rh) {

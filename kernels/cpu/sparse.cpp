@@ -60,7 +60,7 @@ BC_INLINE void group_head(const GroupJob& job, int64_t rh, float* __restrict row
 }
 
 void group_heads(const GroupJob& job, int64_t begin, int64_t end) {
-  std::vector<float> row(job.dk);
+  Floats row(job.dk);
   for (int64_t rh = begin; rh < end; ++rh) {
     switch (job.type) {
       case InputType::kFloat32: group_head<float>(job, rh, row.data()); break;
@@ -74,7 +74,7 @@ void group_heads(const GroupJob& job, int64_t begin, int64_t end) {
 // centroid_attention
 
 struct LaneScratch {
-  std::vector<float> qt, s, kbuf, vbuf, acc, row, weights, scores;
+  Floats qt, s, kbuf, vbuf, acc, row, weights, scores;
   std::vector<const float*> rows;
   std::vector<char> packed_keys, packed_values;  // a head's keys and values, when its rows are not adjacent
   std::vector<int32_t> first, last;
@@ -220,7 +220,7 @@ void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
 constexpr int kRefineBlock = kNativeBytes == 64 ? 8 : 2;
 
 struct RefineScratch {
-  std::vector<float> kt, kbuf, vbuf, base, scores, qbuf, tail, zero_row;
+  Floats kt, kbuf, vbuf, base, scores, qbuf, tail, zero_row;
   std::vector<const float*> krows, vrows;
   std::vector<int64_t> slot, start, fill, order;
   RefineScratch(int64_t n, int64_t clusters, int64_t k, int64_t dk, int64_t dv)

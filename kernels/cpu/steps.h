@@ -27,7 +27,7 @@ struct HashJob {
 // buffers filled by loops (two zero tensors and a strided copy through ATen cost several microseconds a
 // call, as much as a head's hashing at 128 tokens).
 struct PaddedPlanes {
-  std::vector<float> planes_t, offsets;
+  Floats planes_t, offsets;
 };
 PaddedPlanes padded_planes(const at::Tensor& planes, const at::Tensor& offsets, int64_t dk);
 
@@ -93,7 +93,7 @@ void broadcast_cluster_heads(const float* centroid_values, const int64_t* assign
 // --- lloyd_refine (lloyd.cpp): one (row, head), float32 queries
 
 struct LloydScratch {
-  std::vector<float> qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros;
+  Floats qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros;
   std::vector<const float*> rows;
   std::vector<int64_t> todo;
   std::vector<uint8_t> recompute;

@@ -71,6 +71,36 @@ def test_both_schedules_give_one_answer(mode: str) -> None:
     assert per_head.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_half_inputs_give_the_float32_call_on_their_values(mode: str, dtype: torch.dtype) -> None:
+    """fp16/bf16 rows are widened to exactly their float32 values (in registers by the steps, a whole head at
+    a time into a worker's buffer by the per-head schedule), so the call equals the float32 call bit for bit,
+    on both schedules (6 heads on 2 threads: per head; on 8 threads: step by step)."""
+    _require_cpu()
+    from bert_cluster import ops
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 150, 24, generator=generator).to(dtype) for _ in range(3))
+    valid = torch.ones(2, 150, dtype=torch.bool)
+    valid[0, :9] = False
+    valid[1, 100:] = False
+    planes, offsets = attention.hash_planes(0, 1, 31, 24)
+    rounds = 1 if mode == "i-clustered+" else 0
+    previous = torch.get_num_threads()
+    try:
+        for threads in (2, 8):
+            torch.set_num_threads(threads)
+            half = ops.clustered_heads(q, k, v, valid, planes, offsets, 7, 9, 6, mode, rounds, 0.2)
+            widened = ops.clustered_heads(
+                q.float(), k.float(), v.float(), valid, planes, offsets, 7, 9, 6, mode, rounds, 0.2
+            )
+            assert torch.equal(half, widened), f"{threads} threads: {float((half - widened).abs().max())}"
+            assert half[:, :, 9:100].abs().sum() > 0
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_the_cpu_backend_runs_the_fused_op(monkeypatch) -> None:
     """clustered_attention on the CPU kernels goes through clustered_heads, once per row group."""
     _require_cpu()
