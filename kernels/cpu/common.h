@@ -16,10 +16,10 @@
 
 namespace bert_cluster {
 
-// An allocator on cache lines (64 bytes), for the kernels' float buffers: a 16-float vector read at a
-// multiple of 16 floats from one never straddles two lines, as in torch's own 64-byte aligned tensors
-// (malloc aligns to 16 bytes only: a widened bf16 head read across lines made its steps 10-25% slower at
-// 128 tokens).
+// An allocator on cache lines (64 bytes), for the kernels' scratch: a 16-float vector read at a multiple
+// of 16 floats from it never straddles two lines, as in torch's own 64-byte aligned tensors (malloc aligns
+// to 16 bytes only: a bf16 call at 128 tokens that read its widened heads across lines took about 20%
+// longer).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -40,8 +40,9 @@ struct CacheLineAllocator {
   }
 };
 
-// The kernels' float scratch: a std::vector whose data starts on a cache line.
+// The kernels' scratch: std::vectors whose data start on a cache line.
 using Floats = std::vector<float, CacheLineAllocator<float>>;
+using Bytes = std::vector<char, CacheLineAllocator<char>>;
 
 enum class InputType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -122,7 +123,7 @@ T& thread_scratch(Args... args) {
 // took ~20% longer on the spread rows, and the copy costs n * d elements per thread where a copy of the
 // whole tensors would cost their size again. (The refinement reads each query once and gathers top-k
 // rows; packing there did not pay for its copy.)
-inline Rows packed_head(const Rows& src, int64_t r, int64_t h, int64_t n, int64_t d, std::vector<char>& buf) {
+inline Rows packed_head(const Rows& src, int64_t r, int64_t h, int64_t n, int64_t d, Bytes& buf) {
   if (src.s2 == d) return src;
   const int64_t bytes = d * src.itemsize;
   buf.resize(static_cast<size_t>(n * bytes));

@@ -76,7 +76,7 @@ void group_heads(const GroupJob& job, int64_t begin, int64_t end) {
 struct LaneScratch {
   Floats qt, s, kbuf, vbuf, acc, row, weights, scores;
   std::vector<const float*> rows;
-  std::vector<char> packed_keys, packed_values;  // a head's keys and values, when its rows are not adjacent
+  Bytes packed_keys, packed_values;  // a head's keys and values, when its rows are not adjacent
   std::vector<int32_t> first, last;
   LaneTopK top;
   LaneScratch(int64_t dk, int64_t dv, int64_t k)
@@ -199,8 +199,8 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
 void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
   LaneScratch& sc = thread_scratch<LaneScratch>(job.dk, job.dv, job.k);
   CentroidJob head = job;  // keys and values of the current (row, head), packed (a head's tasks are adjacent)
-  std::vector<char>& keys = sc.packed_keys;
-  std::vector<char>& values = sc.packed_values;
+  Bytes& keys = sc.packed_keys;
+  Bytes& values = sc.packed_values;
   for (int64_t task = begin, packed = -1; task < end; ++task) {
     const int64_t rh = task / job.groups;
     if (rh != packed) {
