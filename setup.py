@@ -12,7 +12,16 @@ The CPU kernels are compiled once per x86-64 ISA level into their own libraries
 ``bert_cluster._loader`` loads the best the CPU runs (``BERT_CLUSTER_CPU_ISA`` picks a lower one);
 ``bert_cluster._C`` carries the facts of the build and, when built with CUDA, the CUDA kernels.
 
-Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed.
+Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed;
+an editable install keeps its object files in ``build/editable`` (pip's own temporary folder is new each
+time), so reinstalling recompiles only the kernel sources that changed.
+
+Wheels (``python -m build``: an sdist, then a wheel built from it, with the pinned torch of
+``[build-system]`` in an isolated environment; ``MANIFEST.in`` lists what the sdist carries): the CPU
+libraries and ``configs/`` are inside the wheel, which requires that same torch. A CUDA wheel:
+``BERT_CLUSTER_BUILD_CUDA=1 python -m build --wheel --no-isolation`` in an environment with a CUDA build
+of the pinned torch release and a matching nvcc (an isolated build would install the CPU torch of
+``[build-system]``; for another torch release change both pins of pyproject.toml first).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ def _extensions() -> tuple[list, dict]:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
+    _check_torch_pin(str(torch.__version__))
     cuda = _flag("BERT_CLUSTER_BUILD_CUDA")
     cpu_sources = sorted(glob.glob("kernels/cpu/*.cpp"))
     version = str(torch.__version__)
@@ -85,6 +95,24 @@ def _extensions() -> tuple[list, dict]:
     return [module, *kernels], {"build_ext": _build_ext_class(BuildExtension)}
 
 
+def _check_torch_pin(built_for: str) -> None:
+    """Say so when the torch building the kernels is not the one the package requires.
+
+    A wheel's dependencies pin pyproject.toml's torch, and the loader refuses kernels built for another
+    one: such a wheel would install and then run the reference (e.g. a CUDA wheel built against another
+    torch release: change both pins of pyproject.toml to that release first).
+    """
+    import re
+
+    match = re.search(r'^\s*"torch==([^"]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
+    if match and match.group(1) != built_for.split("+")[0]:
+        print(
+            f"bert-cluster: NOTE the kernels are built against torch {built_for}, but pyproject.toml's "
+            f"dependencies pin torch=={match.group(1)}: a wheel of this build would not load its kernels",
+            file=sys.stderr,
+        )
+
+
 def _build_ext_class(base: type) -> type:
     """Torch's BuildExtension with a temporary folder per extension.
 
@@ -95,7 +123,10 @@ def _build_ext_class(base: type) -> type:
     class BuildExtensionPerFolder(base):
         def build_extension(self, ext) -> None:  # noqa: D102 - setuptools' command protocol
             shared = self.build_temp
-            self.build_temp = os.path.join(shared, ext.name)
+            # pip's editable install builds in a new temporary folder each time: keep its objects in the
+            # checkout instead, so that ninja recompiles only what changed.
+            root = ROOT / "build" / "editable" if getattr(self, "editable_mode", False) else shared
+            self.build_temp = os.path.join(root, ext.name)
             try:
                 super().build_extension(ext)
             finally:

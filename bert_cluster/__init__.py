@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bert_cluster import _hook
+from bert_cluster._version import __version__
 from bert_cluster.attention import clustered_attention
 from bert_cluster.config import ClusteredAttentionConfig
-
-__version__ = "0.1.0"
 
 _hook.install()
 
@@ -22,6 +21,7 @@ __all__ = [
     "__version__",
     "clustered_attention",
     "convert",
+    "embed",
     "evaluate",
     "info",
     "inspect_model",
@@ -29,14 +29,21 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from bert_cluster.embedding import embed
     from bert_cluster.evaluation import evaluate
 
 
-def convert(model: Any, clusters: int = 25, **settings: Any) -> Any:
-    """Patch ``model`` in place with (improved) clustered attention; see ``bert_cluster.hf.convert``."""
+def convert(model: Any, clusters: int | None = None, **settings: Any) -> Any:
+    """Patch ``model`` in place with (improved) clustered attention; see ``bert_cluster.hf.convert``.
+
+    ``clusters`` (also positional) and the other settings change ``convert``'s preset,
+    ``ClusteredAttentionConfig.for_convert()`` (clusters=25 there); ``config=`` gives them all.
+    """
     from bert_cluster.hf import convert as _convert
 
-    return _convert(model, clusters=clusters, **settings)
+    if clusters is not None:
+        settings["clusters"] = clusters
+    return _convert(model, **settings)
 
 
 def revert(model: Any) -> Any:
@@ -47,8 +54,8 @@ def revert(model: Any) -> Any:
 
 
 def inspect_model(model: Any, inputs: Any, tokenizer: Any = None, config: Any = None, **settings: Any) -> Any:
-    """Per layer and head error of clustered against exact attention; see ``bert_cluster.inspect``."""
-    from bert_cluster.inspect import inspect_model as _inspect_model
+    """Per layer and head error of clustered against exact attention; see ``bert_cluster.inspection``."""
+    from bert_cluster.inspection import inspect_model as _inspect_model
 
     return _inspect_model(model, inputs, tokenizer, config, **settings)
 
@@ -67,4 +74,8 @@ def __getattr__(name: str) -> Any:
         from bert_cluster.evaluation import evaluate as _evaluate
 
         return _evaluate
+    if name == "embed":  # a corpus into parquet embeddings (datasets, pyarrow, sentence-transformers)
+        from bert_cluster.embedding import embed as _embed
+
+        return _embed
     raise AttributeError(f"module 'bert_cluster' has no attribute {name!r}")

@@ -6,27 +6,29 @@ CUDA kernels, and one CPU kernel library per x86-64 ISA level (``_C_cpu_x86_64_v
 CPU library this CPU runs, or the one ``$BERT_CLUSTER_CPU_ISA`` names (a lower level: to measure or test
 another ISA's kernels on one machine). All of them give the same results.
 
-Nothing here runs at ``import bert_cluster``, and this module imports nothing from the package (so it
-sits below ``ops``, ``dispatch`` and ``_build`` with no import circle). ``bert_cluster.ops.load_kernels``
-calls ``load()`` once the op schemas exist; the libraries' ``TORCH_LIBRARY_IMPL`` blocks then register the
-CPU and CUDA implementations. A failure (absent, built for another torch, another import error) is stored,
-reported once as a ``RuntimeWarning``, and the library runs on the reference.
+Nothing here runs at ``import bert_cluster``, and this module imports nothing from the package but
+``environment`` (so it sits below ``ops``, ``dispatch`` and ``_build`` with no import circle).
+``bert_cluster.ops.load_kernels`` calls ``load()`` once the op schemas exist; the libraries'
+``TORCH_LIBRARY_IMPL`` blocks then register the CPU and CUDA implementations. A failure (absent, built
+for another torch, another import error) is stored, reported once as a ``RuntimeWarning``, and the
+library runs on the reference.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bert_cluster import environment
+
 BUILD_HINT = "build it with `pip install --no-build-isolation -e .` or `bert-cluster kernels build`"
 
 #: Names the built CPU kernel library (``x86_64_v3``, or ``x86-64-v3``, ...) to load instead of the best.
-ISA_ENV = "BERT_CLUSTER_CPU_ISA"
+ISA_ENV = environment.CPU_ISA
 
 _state: dict[str, Any] | None = None  # filled by load(); read by everything else
 _cpu_library: list[str] = []  # the CPU kernel library this process loaded (torch cannot unload one)
@@ -132,7 +134,7 @@ def _load_cpu_library(module: Any, state: dict[str, Any]) -> str:
     if not libraries:
         return f"bert_cluster._C lists no CPU kernel library (an older build?); rebuild: {BUILD_HINT}"
     try:
-        label = choose_cpu_library(libraries, state["cpu_level"], os.environ.get(ISA_ENV))
+        label = choose_cpu_library(libraries, state["cpu_level"], environment.cpu_isa_override())
     except ValueError as error:
         return str(error)
     folder = Path(getattr(module, "__file__", "") or ".").parent
@@ -158,7 +160,7 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
 
 def _warn_once(reason: str) -> None:
     global _warned
-    if _warned or os.environ.get("BERT_CLUSTER_DISABLE_KERNELS", "") not in ("", "0"):
+    if _warned or environment.kernels_disabled():
         return
     _warned = True
     warnings.warn(
@@ -166,12 +168,3 @@ def _warn_once(reason: str) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
-
-
-def __getattr__(name: str) -> Any:
-    # Compatibility: build_info and build_kernels moved to bert_cluster._build (import them from there).
-    if name in ("build_info", "build_kernels"):
-        from bert_cluster import _build
-
-        return getattr(_build, name)
-    raise AttributeError(f"module 'bert_cluster._loader' has no attribute {name!r}")

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import threading
 import weakref
 from typing import Any
 
 import torch
 
+from bert_cluster import environment
 from bert_cluster.config import AUTO, ClusteredAttentionConfig
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
@@ -155,8 +155,8 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     """
     rows, heads, length, head_dim = query.shape
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    environment = tuple(os.environ.get(name) for name in _BACKEND_VARIABLES)
-    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, environment)
+    variables = environment.backend_key()
+    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, variables)
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
@@ -172,9 +172,6 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     return plan
-
-
-_BACKEND_VARIABLES = ("BERT_CLUSTER_BACKEND", "BERT_CLUSTER_DISABLE_KERNELS")
 
 
 def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
@@ -198,7 +195,7 @@ def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
         if long_rows:
             from bert_cluster import crossover
 
-            min_length = crossover.min_length(backend, query, key, value, config, scaling)
+            min_length = crossover.min_length(backend, query, key, value, config, scaling, _clustered)
     long_rows = [r for r in long_rows if lengths[r] >= min_length]
     clustered = set(long_rows)
     short = [r for r in range(rows) if r not in clustered]

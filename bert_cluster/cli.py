@@ -1,9 +1,10 @@
-"""The ``bert-cluster`` command: a thin shell over ``bert_cluster.evaluation`` and ``bert_cluster.info``.
+"""The ``bert-cluster`` command: a shell over ``bert_cluster.evaluation``, ``.inspection`` and ``.info()``.
 
 Each command parses its options, builds the objects the API takes (a ``ClusteredAttentionConfig``, or
-the settings to change in it), calls the API and renders the result with rich: tables on stdout,
-progress and errors on stderr. A user mistake becomes one line on stderr and exit code 2, without a
-traceback; Ctrl-C during a run says in one line where the partial results are (exit 130).
+the settings to change in it), calls the API and renders the result with rich (the reporters and
+tables are in ``bert_cluster.evaluation.render``): tables on stdout, progress and errors on stderr. A
+user mistake becomes one line on stderr and exit code 2, without a traceback; Ctrl-C during a run says
+in one line where the partial results are (exit 130).
 ``python -m bert_cluster`` is the same command (so ``accelerate launch -m bert_cluster evaluate`` works).
 """
 
@@ -16,7 +17,6 @@ import functools
 import inspect
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +27,7 @@ from rich.table import Table
 
 from bert_cluster import __version__
 from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
+from bert_cluster.inspection import DEFAULT_MAX_ERROR
 
 app = typer.Typer(
     name="bert-cluster",
@@ -173,120 +174,6 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-class RichReporter:
-    """Progress bars with an ETA on stderr (a terminal): tasks, configurations of a task, its items."""
-
-    def __init__(self, console: Console) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.progress = Progress(
-            TextColumn("{task.description:<36}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        self._tasks = self._configs = self._items = None
-
-    def start(self, tasks: int) -> None:  # noqa: D102
-        self.progress.start()
-        self._tasks = self.progress.add_task("tasks", total=tasks)
-
-    def task(self, name: str, configurations: int) -> None:  # noqa: D102
-        if self._configs is not None:
-            self.progress.remove_task(self._configs)
-        self._configs = self.progress.add_task(f"{name}: configurations", total=configurations)
-        self.progress.update(self._tasks, description=f"tasks ({name})")
-
-    def configuration(self, label: str) -> None:  # noqa: D102
-        if self._items is not None:
-            self.progress.remove_task(self._items)
-        self._items = self.progress.add_task(f"  {label}", total=None)
-
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        self.progress.update(self._items, completed=done, total=total)
-
-    def configuration_done(self, run: Any) -> None:  # noqa: D102
-        self.progress.advance(self._configs)
-
-    def task_done(self, result: Any) -> None:  # noqa: D102
-        self.progress.advance(self._tasks)
-
-    def finish(self) -> None:  # noqa: D102
-        self.progress.stop()
-
-
-class LogReporter:
-    """Plain lines on stderr (a log, where bars cannot redraw): each configuration, progress every 30 s."""
-
-    def __init__(self, console: Console, every: float = 30.0) -> None:
-        self.console, self.every = console, every
-        self.name = self.label = ""
-        self.began = self.last = 0.0
-
-    def _line(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-    def start(self, tasks: int) -> None:  # noqa: D102
-        self._line(f"{tasks} task(s)")
-
-    def task(self, name: str, configurations: int) -> None:  # noqa: D102
-        self.name = name
-        self._line(f"[{name}] {configurations} configuration(s)")
-
-    def configuration(self, label: str) -> None:  # noqa: D102
-        self.label, self.began = label, time.monotonic()
-        self.last = self.began
-
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        now = time.monotonic()
-        if done and total and now - self.last >= self.every:
-            self.last = now
-            left = (now - self.began) * (total - done) / done
-            self._line(
-                f"[{self.name}] {self.label}: {done}/{total} ({100 * done / total:.0f}%), ETA {left:.0f} s"
-            )
-
-    def configuration_done(self, run: Any) -> None:  # noqa: D102
-        scores = ", ".join(f"{key} {value:.2f}" for key, value in run.scores.items())
-        speed = "" if run.speedup is None else f", {run.speedup:.2f}x"
-        self._line(f"[{self.name}] {run.label}: {scores} ({run.wall_time_s:.1f} s{speed}, {run.backend})")
-
-    def task_done(self, result: Any) -> None:  # noqa: D102
-        state = f"ok (data: {result.source})" if result.ok else f"{result.status}: {result.error}"
-        self._line(f"[{result.task}] {state}")
-
-    def finish(self) -> None:  # noqa: D102
-        pass
-
-
-def results_table(results: Any) -> Table:
-    """The summary table: task, metric, unmodified, then each mode and C as mean ± std (Δ), and speed."""
-    from bert_cluster.evaluation.report import table_rows
-
-    header, rows = table_rows(results)
-    seeds = results.settings.get("seeds") or []
-    modes = ", ".join(results.settings.get("modes") or [])
-    title = (
-        f"{modes} attention, {len(seeds)} seed(s); patched: mean ± std (Δ unmodified); speed: × unmodified"
-    )
-    table = Table(title=title)
-    for index, name in enumerate(header):
-        table.add_column(name, justify="left" if index < 2 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
 def _version(value: bool) -> None:
     if value:
         print(f"bert-cluster {__version__}")
@@ -353,11 +240,10 @@ def evaluate(
     """Score MODEL unmodified and with clustered attention in each configuration, on each task."""
     from bert_cluster import evaluation
     from bert_cluster.evaluation.parallel import is_main_process
+    from bert_cluster.evaluation.render import progress_reporter, results_table
 
     quiet = quiet or not is_main_process()  # launched processes: only the first one speaks
-    reporter = None
-    if not (quiet or as_json):
-        reporter = RichReporter(stderr) if stderr.is_terminal else LogReporter(stderr)
+    reporter = None if quiet or as_json else progress_reporter(stderr)
     with user_errors():
         if model is None and not (quiet or as_json):
             description = evaluation.default_run().get("description", "demo")
@@ -417,19 +303,121 @@ def convert(
     from bert_cluster import evaluation
 
     with user_errors():
-        fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
-        settings = {
-            "min_length": "auto",
-            **(attention or {}),
-            "clusters": clusters,
-            "mode": mode.value,
-            "seed": seed,
-        }
-        config = ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+        preset = ClusteredAttentionConfig.for_convert().to_dict()  # convert's defaults (min_length auto)
+        config = _config({**preset, **(attention or {})}, clusters, mode, seed)
         saved = evaluation.convert_checkpoint(model, output, config, overwrite=overwrite)
     stdout.print(
         f"saved {saved} ({config.mode}, C={config.clusters}, topk={config.topk}, seed={config.seed})",
         highlight=False,
+    )
+
+
+def _config(attention: dict[str, Any], clusters: int, mode: Mode, seed: int) -> ClusteredAttentionConfig:
+    """The config a command that takes one C, mode and seed builds from them and the shared options."""
+    fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
+    settings = {**attention, "clusters": clusters, "mode": mode.value, "seed": seed}
+    return ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+
+
+@app.command()
+@attention_options
+def embed(
+    model: Annotated[
+        str, typer.Argument(help="SentenceTransformer or transformers folder, package:NAME or hub id.")
+    ],
+    input: Annotated[  # noqa: A002 - the command's INPUT
+        str,
+        typer.Argument(
+            help="Text file (one document a line), .jsonl/.json/.csv/.parquet, a datasets folder or name, "
+            "or package:squad-articles."
+        ),
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Folder for shard-NNNNN.parquet and manifest.json.")
+    ],
+    text_field: Annotated[
+        str | None, typer.Option("--text-field", help="Column of the texts (default text).")
+    ] = None,
+    id_field: Annotated[
+        str | None, typer.Option("--id-field", help="Column of the ids (default: line or row number).")
+    ] = None,
+    json_field: Annotated[
+        str | None, typer.Option("--json-field", help="A .json mapping: the key of its list of records.")
+    ] = None,
+    split: Annotated[str | None, typer.Option("--split", help="Split of a dataset with several.")] = None,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="The unmodified model (no clustered attention).")
+    ] = False,
+    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
+    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    max_length: Annotated[
+        int | None, typer.Option("--max-length", help="Truncation (tokens; default: the model's positions).")
+    ] = None,
+    max_tokens_per_batch: Annotated[
+        int, typer.Option("--max-tokens-per-batch", help="Padded tokens (rows x longest) per model pass.")
+    ] = 16384,
+    shard_size: Annotated[int, typer.Option("--shard-size", help="Documents per shard.")] = 10000,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an output folder written with other settings.")
+    ] = False,
+    quiet: QuietOpt = False,
+    attention: dict[str, Any] | None = None,
+) -> None:
+    """Embed every document of INPUT into parquet shards; a stopped run continues on the same command."""
+    from bert_cluster import embedding
+    from bert_cluster.embedding.progress import ProgressBar
+    from bert_cluster.evaluation.parallel import is_main_process
+
+    quiet = quiet or not is_main_process()
+    bar = ProgressBar(stderr) if not quiet else None
+    with user_errors():
+        settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
+        try:
+            with bar or contextlib.nullcontext():
+                result = embedding.embed(
+                    model,
+                    input,
+                    output,
+                    text_field=text_field,
+                    id_field=id_field,
+                    json_field=json_field,
+                    split=split,
+                    exact=exact,
+                    attention=settings,
+                    dtype=dtype,
+                    max_length=max_length,
+                    max_tokens_per_batch=max_tokens_per_batch,
+                    shard_size=shard_size,
+                    device=device,
+                    overwrite=overwrite,
+                    progress=bar,
+                )
+        except embedding.EmbedInterrupted as interrupted:
+            stderr.print(f"{interrupted}; run the same command to continue", markup=False, soft_wrap=True)
+            raise typer.Exit(130) from None
+        except KeyboardInterrupt:
+            stderr.print(f"interrupted: run the same command to continue in {output}", markup=False)
+            raise typer.Exit(130) from None
+    if quiet:
+        return
+    for problem in result.problems:
+        stderr.print(
+            f"skipped {problem.id} (line {problem.line}): {problem.reason}", markup=False, highlight=False
+        )
+    rate = (
+        f", {result.documents_per_second:,.1f} docs/s, {result.tokens_per_second:,.0f} tokens/s"
+        if result.documents_per_second
+        else ""
+    )
+    stdout.print(
+        f"embedded {result.documents:,} documents ({result.truncated:,} truncated at "
+        f"{result.manifest['settings']['max_length']} tokens, {len(result.problems)} skipped) into "
+        f"{result.shards} shard(s) in {output} ({result.resumed_shards} resumed{rate})",
+        highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -440,26 +428,6 @@ def _screen(text: str) -> int | str | None:
     if not text.isdigit():
         raise typer.BadParameter(f"give auto, off or a number of examples, got {text!r}")
     return int(text)
-
-
-class CandidateLines:
-    """A reporter that also prints one line per tuning candidate (its verdict) on stderr."""
-
-    def __init__(self, inner: Any, console: Console) -> None:
-        self.inner, self.console = inner, console
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def candidate(self, candidate: Any) -> None:
-        """A candidate is scored: ``label: changes, speedup: verdict``."""
-        changes = ", ".join(f"Δ {name} {change:+.2f}" for name, change in candidate.changes.items())
-        speed = "" if candidate.speedup is None else f", {candidate.speedup:.2f}×"
-        if candidate.screen is not None and candidate.speedup is None:
-            speed = " on the screening examples"
-        self.console.print(
-            f"{candidate.label}: {changes}{speed}: {candidate.status}", markup=False, highlight=False
-        )
 
 
 Cost = enum.Enum("Cost", {"speed": "speed", "attention": "attention"}, type=str)
@@ -556,13 +524,10 @@ def tune(
     from bert_cluster import evaluation
     from bert_cluster.evaluation.errors import UserError
     from bert_cluster.evaluation.parallel import is_main_process
-    from bert_cluster.evaluation.tuner import table_rows
+    from bert_cluster.evaluation.render import CandidateLines, progress_reporter, tune_table
 
     quiet = quiet or not is_main_process()
-    reporter = None
-    if not (quiet or as_json):
-        inner = RichReporter(stderr) if stderr.is_terminal else LogReporter(stderr)
-        reporter = CandidateLines(inner, stderr)
+    reporter = None if quiet or as_json else CandidateLines(progress_reporter(stderr), stderr)
     with user_errors():
         chosen_layers: Any = layers.strip()
         if chosen_layers not in ("search", "all"):
@@ -605,17 +570,7 @@ def tune(
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
-    header, rows = table_rows(result)
-    judged = ", ".join(display for _, display in result.metrics)
-    table = Table(
-        title=f"{result.task}: budget {result.budget:g} point(s) on {judged}, {result.examples} examples; "
-        f"cheapest by {'measured speedup' if result.cost == 'speed' else 'attention cost'}"
-    )
-    for index, name in enumerate(header):
-        table.add_column(name, justify="left" if 0 < index < 3 or index == len(header) - 1 else "right")
-    for row in rows:
-        table.add_row(*row)
-    stdout.print(table)
+    stdout.print(tune_table(result))
     stdout.print(f"recommendation: {result.recommendation}", highlight=False, soft_wrap=True)
     if not quiet:
         for note in result.notes:
@@ -664,10 +619,10 @@ def kernels_build(
 
     with user_errors():
         try:
-            from bert_cluster._loader import build_kernels
+            from bert_cluster._build import build_kernels
         except ImportError as error:
             raise UserError(
-                f"kernel building is not available in this version (bert_cluster._loader: {error})"
+                f"kernel building is not available in this version (bert_cluster._build: {error})"
             ) from None
         result = build_kernels(cuda=cuda, verbose=verbose)
     if result is not None:
@@ -754,10 +709,11 @@ def inspect_command(
     max_length: Annotated[int, typer.Option("--max-length", help="Truncation length (tokens).")] = 512,
     max_error: Annotated[
         float, typer.Option("--max-error", help="Per-layer error budget for the suggested layers=.")
-    ] = 0.1,
+    ] = DEFAULT_MAX_ERROR,
     per_head: Annotated[bool, typer.Option("--heads", help="Show every head, not only layer means.")] = False,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Folder for inspect.json and inspect.png.")
+        Path | None,
+        typer.Option("--output", "-o", help="Folder for inspect.json, inspect.md and inspect.png."),
     ] = None,
     as_json: JsonOpt = False,
     attention: dict[str, Any] | None = None,
@@ -776,110 +732,38 @@ def inspect_command(
             raise UserError(f"--limit must be a positive number of inputs, got {limit}")
         if not max_error > 0:
             raise UserError(f"--max-error must be positive, got {max_error}")
-        from bert_cluster.inspect import inspect_model, load_task_texts
+        from bert_cluster import inspection
 
-        fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
-        settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
-        config = ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+        config = _config(attention or {}, clusters, mode, seed)
         inputs: Any
         if text:
-            inputs = list(text)
+            inputs, given = list(text), "--text"
         elif file is not None:
-            if not file.is_file():
-                raise UserError(f"input file {file} does not exist or is not a file")
-            lines = [line.strip() for line in file.read_text(encoding="utf-8").splitlines()]
-            inputs = [line for line in lines if line][:limit]
-            if not inputs:
-                raise UserError(f"input file {file} has no non-empty line")
+            inputs, given = inspection.load_text_file(file, limit), str(file)
         else:
-            inputs = load_task_texts(task, data_dir, limit)
-        loaded, tokenizer = _load_for_inspection(model)
-        report = inspect_model(loaded, inputs, tokenizer, config, max_length=max_length)
-    suggested = report.suggest_layers(max_error)
+            inputs, given = inspection.load_task_texts(task, data_dir, limit), f"task {task}"
+        report = inspection.inspect_checkpoint(
+            model,
+            inputs,
+            config,
+            max_length=max_length,
+            max_error=max_error,
+            output=output,
+            settings={
+                "inputs": given,
+                "limit": limit,
+                "data_dir": None if data_dir is None else str(data_dir),
+            },
+        )
     if as_json:
-        print(json.dumps({**report.to_dict(), "suggested_layers": list(suggested), "max_error": max_error}))
+        print(json.dumps(report.summary(max_error)))
     else:
-        stdout.print(_inspection_table(report, per_head))
-        advice = (
-            f"{', '.join(map(str, suggested))} (convert(..., layers={list(suggested)}))"
-            if suggested
-            else "none (raise C or k, or --max-error)"
-        )
-        stdout.print(
-            f"{report.sequences} sequences, {report.tokens} tokens. Layers with mean relative error <= "
-            f"{max_error:g}: {advice}",
-            highlight=False,
-        )
-    if output is not None:
-        output.mkdir(parents=True, exist_ok=True)
-        data = {
-            **report.to_dict(),
-            "suggested_layers": list(suggested),
-            "max_error": max_error,
-            "model": model,
-        }
-        (output / "inspect.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
-        report.heatmap(output / "inspect.png")
-        if not as_json:
-            stdout.print(f"wrote {output}/inspect.json, inspect.png", highlight=False)
+        from bert_cluster.evaluation.render import inspection_table
 
-
-def _load_for_inspection(model: str) -> tuple[Any, Any]:
-    """The encoder of any checkpoint (its head is not needed) and its tokenizer; UserError if unreadable."""
-    from transformers import AutoModel, AutoTokenizer
-
-    from bert_cluster.evaluation.errors import UserError
-    from bert_cluster.evaluation.modeling import check_model_path, quiet, resolve_model
-
-    source = resolve_model(check_model_path(model))
-    try:
-        with quiet():
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            loaded = AutoModel.from_pretrained(source)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot load model {source}: {first}") from None
-    return loaded.eval(), tokenizer
-
-
-def _inspection_table(report: Any, per_head: bool) -> Table:
-    c = report.config
-    title = f"{c.mode}, C={c.clusters}, k={c.topk}: clustered vs exact attention, per layer" + (
-        " and head" if per_head else " (mean over heads)"
-    )
-    table = Table(title=title)
-    columns = ["layer", *(["head"] if per_head else []), "rel. error"]
-    columns += [] if per_head else ["worst head"]
-    columns += ["top-k mass", "clusters used", "mean size", "largest %"]
-    for index, name in enumerate(columns):
-        table.add_column(name, justify="left" if index == 0 else "right")
-
-    def mass(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
-
-    if per_head:
-        for h in report.heads:
-            table.add_row(
-                str(h.layer),
-                str(h.head),
-                f"{h.relative_error:.4f}",
-                mass(h.topk_mass),
-                f"{h.clusters_used:.1f}",
-                f"{h.mean_cluster_size:.1f}",
-                f"{100 * h.largest_cluster_share:.1f}",
-            )
-    else:
-        for row in report.per_layer():
-            table.add_row(
-                str(row["layer"]),
-                f"{row['relative_error']:.4f}",
-                f"{row['worst_head_error']:.4f}",
-                mass(row["topk_mass"]),
-                f"{row['clusters_used']:.1f}",
-                f"{row['mean_cluster_size']:.1f}",
-                f"{100 * row['largest_cluster_share']:.1f}",
-            )
-    return table
+        stdout.print(inspection_table(report, per_head))
+        stdout.print(report.advice(max_error), highlight=False)
+        if output is not None:
+            stdout.print(f"wrote {output}/inspect.json, inspect.md, inspect.png", highlight=False)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 #: Bumped whenever the meaning of a field changes, so old results.json files stay interpretable.
@@ -23,6 +24,25 @@ MAX_ITERATIONS = 10_000
 GROWTH_START = 512
 #: min_length="auto": rows too short for clustering to pay (measured per backend) use exact attention.
 AUTO = "auto"
+
+#: The two presets, as what each changes from the field defaults (``ClusteredAttentionConfig.for_convert``
+#: and ``.for_evaluation``): ``convert`` keeps short rows exact where clustering would not pay on this
+#: machine, so a converted model is never slower; the evaluator (evaluate, tune, inspect) approximates
+#: every row longer than C, since its job is to measure the approximation.
+CONVERT_SETTINGS: Mapping[str, Any] = types.MappingProxyType({"min_length": AUTO})
+EVALUATION_SETTINGS: Mapping[str, Any] = types.MappingProxyType({"min_length": 0})
+
+
+def check_setting_names(names: Iterable[str]) -> None:
+    """Refuse names that are not settings (a misspelt keyword would otherwise be silently dropped).
+
+    Raises:
+        TypeError: naming the unknown ones and every allowed one.
+    """
+    allowed = [field.name for field in dataclasses.fields(ClusteredAttentionConfig)]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown clustered attention setting(s) {unknown}; allowed: {', '.join(allowed)}")
 
 
 def _check_int(name: str, value: Any, low: int, high: int, also: str = "") -> None:
@@ -54,8 +74,9 @@ class ClusteredAttentionConfig:
         min_length: rows with fewer valid tokens than this use exact attention (torch's SDPA over their
             valid keys; rows with at most C valid tokens always do: clustering saves nothing there).
             ``"auto"``: the length from which clustering is faster than SDPA on this machine, measured
-            once and cached (``bert_cluster.crossover``); what ``convert`` uses by default. 0 here, so
-            that every row longer than C is approximated (what evaluating the approximation needs).
+            once and cached (``bert_cluster.crossover``); what ``convert`` uses by default
+            (``for_convert``). 0 here and in the evaluator's preset (``for_evaluation``), so that every
+            row longer than C is approximated (what evaluating the approximation needs).
         cluster_growth, topk_growth: how C and k grow with a row's valid length n above 512 tokens:
             ``C(n) = clusters * (n / 512) ** cluster_growth`` and ``k(n) = topk * (n / 512) **
             topk_growth``, rounded (``row_settings``); 0 keeps them fixed, 1 is linear. Nothing changes
@@ -112,6 +133,28 @@ class ClusteredAttentionConfig:
                     raise TypeError(f"layers must hold ints, got {index!r}")
             # Frozen: normalise lists to a sorted tuple without duplicates.
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    @classmethod
+    def for_convert(cls, **changes: Any) -> ClusteredAttentionConfig:
+        """``convert``'s defaults (``min_length="auto"``, see ``CONVERT_SETTINGS``) with ``changes``.
+
+        Raises:
+            TypeError: a name that is not a setting (or a value of the wrong type).
+            ValueError: a value out of range.
+        """
+        check_setting_names(changes)
+        return cls(**{**CONVERT_SETTINGS, **changes})
+
+    @classmethod
+    def for_evaluation(cls, **changes: Any) -> ClusteredAttentionConfig:
+        """The evaluator's defaults (``min_length=0``, see ``EVALUATION_SETTINGS``) with ``changes``.
+
+        Raises:
+            TypeError: a name that is not a setting (or a value of the wrong type).
+            ValueError: a value out of range.
+        """
+        check_setting_names(changes)
+        return cls(**{**EVALUATION_SETTINGS, **changes})
 
     def row_settings(self, length: int) -> tuple[int, int]:
         """``(clusters, topk)`` for a row of ``length`` valid tokens (see ``cluster_growth``)."""

@@ -11,6 +11,13 @@ and kept in a JSON file in the user cache folder (``$BERT_CLUSTER_CACHE_DIR``, e
 ``$XDG_CACHE_HOME/bert-cluster``, else ``~/.cache/bert-cluster``), so every later process reuses it.
 If the folder cannot be written the figure is kept in memory for the process.
 
+Several processes starting at once (data-parallel workers, a test run) measure once between them: the
+one that takes the file lock beside the cache measures (alone, so that the others' work does not spoil
+its timings) and writes the figure; the others wait for the lock, read that figure and use it. A lock
+that cannot be had within ``LOCK_TIMEOUT_S`` (or at all: a read-only folder) never blocks a process: it
+measures for itself. The file is replaced atomically, and one that is not valid JSON is ignored and
+rewritten.
+
 How it is measured: one row (batch 1, the caller's heads, head dims and dtype; random inputs, which
 make K-means run its full iteration count: the slow case) at growing lengths ``LENGTHS``; at each, the
 fastest of ``REPEATS`` interleaved runs of SDPA and of the clustered path (the minimum, not the median:
@@ -28,22 +35,25 @@ process measures again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
-import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 
+from bert_cluster import environment
 from bert_cluster.config import ClusteredAttentionConfig
 
-CACHE_ENV = "BERT_CLUSTER_CACHE_DIR"
+CACHE_ENV = environment.CACHE_DIR
 #: v2: the CPU kernels run a call as one op (clustered_heads), which moved the crossover (v1 is stale).
 #: v3: their top-k and K-means got faster (the same results), which moves it again.
 #: v4: fp16/bf16 calls widen each head once instead of in every step (faster in those dtypes).
@@ -61,6 +71,9 @@ BUDGET_S = 4.0
 REPEATS = 7
 #: Median over minimum of a length's repeats above which a measurement is too noisy to cache.
 STABLE_SPREAD = 1.5
+#: Seconds a process waits for another one's measurement (one takes BUDGET_S plus one length: ~5 s)
+#: before it measures for itself.
+LOCK_TIMEOUT_S = 60.0
 
 logger = logging.getLogger(__name__)
 _MEMORY: dict[str, int] = {}
@@ -68,38 +81,22 @@ _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    """The folder of the cache file."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bert-cluster"
-
-
-def _device_model(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The folder of the cache file (``bert_cluster.environment.cache_dir``)."""
+    return environment.cache_dir()
 
 
 def facts(backend: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config) -> dict:
     """What the crossover depends on: the cache key."""
-    from bert_cluster import __version__, ops
+    from bert_cluster import ops
 
     return {
         "backend": backend.name,
         # the CPU kernel library's ISA: AVX2 and AVX-512 kernels cross over at different lengths
         "kernels": ops.load_kernels().get("cpu_isa") if backend.name == "cpu" else None,
-        "device": _device_model(query.device),
+        "device": environment.device_name(query.device),
         "torch": str(torch.__version__),
-        "bert_cluster": __version__,
-        "threads": torch.get_num_threads(),
+        "bert_cluster": environment.bert_cluster_version(),
+        "threads": environment.threads(),
         "heads": query.shape[1],
         "head_dim": query.shape[-1],
         "value_dim": value.shape[-1],
@@ -118,8 +115,12 @@ def min_length(
     value: torch.Tensor,
     config: ClusteredAttentionConfig,
     scaling: float,
+    clustered: Callable[..., torch.Tensor],
 ) -> int:
-    """Rows shorter than this run exact attention: measured on first use, then read from the cache."""
+    """Rows shorter than this run exact attention: measured on first use, then read from the cache.
+
+    ``clustered`` is the clustered path to time (``attention._clustered``), passed in by its caller.
+    """
     entry = facts(backend, query, key, value, config)
     name = json.dumps(entry, sort_keys=True)
     found = _MEMORY.get(name)
@@ -129,40 +130,84 @@ def min_length(
         if name in _MEMORY:
             return _MEMORY[name]
         path = cache_dir() / CACHE_FILE
-        stored = _read(path)
-        if name in stored and isinstance(stored[name].get("min_length"), int):
-            _MEMORY[name] = stored[name]["min_length"]
-            return _MEMORY[name]
-        result = measure(backend, query, key, value, config, scaling)
-        _MEMORY[name] = result["min_length"]
-        if not result.get("stable", True):
-            logger.warning(
-                "bert-cluster: the crossover measurement was noisy (a busy machine?); min_length=%d for "
-                "this process, measured again next time",
-                result["min_length"],
-            )
-            return _MEMORY[name]
-        stored = _read(path)  # another process may have written meanwhile
-        stored[name] = {**result, "facts": entry}
-        _write(path, stored)
-        return _MEMORY[name]
+        found = _cached(_read(path), name)
+        if found is None:
+            with _file_lock(path):
+                found = _cached(_read(path), name)  # measured by another process while this one waited
+                if found is None:
+                    found = _measure_and_store(
+                        path, name, entry, backend, query, key, value, config, scaling, clustered
+                    )
+        _MEMORY[name] = found
+        return found
+
+
+def _cached(stored: dict, name: str) -> int | None:
+    record = stored.get(name)
+    found = record.get("min_length") if isinstance(record, dict) else None
+    return found if isinstance(found, int) and not isinstance(found, bool) and found >= 0 else None
+
+
+def _measure_and_store(path, name, entry, backend, query, key, value, config, scaling, clustered) -> int:
+    """Measure, and cache the figure unless the measurement was noisy; the figure."""
+    result = measure(backend, query, key, value, config, scaling, clustered)
+    if not result.get("stable", True):
+        logger.warning(
+            "bert-cluster: the crossover measurement was noisy (a busy machine?); min_length=%d for "
+            "this process, measured again next time",
+            result["min_length"],
+        )
+        return result["min_length"]
+    stored = _read(path)  # written by another process meanwhile, if it could not have the lock
+    stored[name] = {**result, "facts": entry}
+    _write(path, stored)
+    return result["min_length"]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[bool]:
+    """The inter-process lock beside the cache file, held for the block if it can be had in time.
+
+    Never raises and never waits more than ``LOCK_TIMEOUT_S``: without the lock (a timeout, a read-only
+    or unusable folder) the block runs unlocked, which costs at most a second measurement.
+    """
+    lock = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(path.with_name(path.name + ".lock"), timeout=LOCK_TIMEOUT_S)
+        lock.acquire()
+    except (filelock.Timeout, OSError) as error:
+        logger.info("bert-cluster: measuring the crossover without the cache lock (%s)", error)
+        lock = None
+    try:
+        yield lock is not None
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _read(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        logger.warning("bert-cluster: the crossover cache %s is not valid JSON; it will be rewritten", path)
         return {}
     return data if isinstance(data, dict) else {}
 
 
 def _write(path: Path, data: dict) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
         temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
         temporary.replace(path)  # atomic: a reader sees the old file or the new one
     except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         logger.info("bert-cluster: cannot write the crossover cache %s (%s); kept in memory", path, error)
 
 
@@ -184,10 +229,13 @@ def measure(
     value: torch.Tensor,
     config: ClusteredAttentionConfig,
     scaling: float,
+    clustered: Callable[..., torch.Tensor],
 ) -> dict[str, Any]:
-    """Time SDPA and the clustered path on one random row per length; the crossover and the timings."""
-    from bert_cluster.attention import _clustered
+    """Time SDPA and the clustered path on one random row per length; the crossover and the timings.
 
+    ``clustered`` has the signature of ``attention._clustered`` (this module does not import attention,
+    which imports it).
+    """
     heads, dk, dv = query.shape[1], query.shape[-1], value.shape[-1]
     device, dtype = query.device, query.dtype
     now = _timer(device)
@@ -205,13 +253,13 @@ def measure(
             def sdpa(q=q, k=k, v=v):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling)
 
-            def clustered(q=q, k=k, v=v, valid=valid, clusters=clusters, topk=topk):
-                return _clustered(backend, q, k, v, valid, config, clusters, topk, scaling, 0)
+            def approximate(q=q, k=k, v=v, valid=valid, clusters=clusters, topk=topk):
+                return clustered(backend, q, k, v, valid, config, clusters, topk, scaling, 0)
 
             times: dict[str, list[float]] = {"sdpa": [], "clustered": []}
-            sdpa(), clustered()  # warm-up
+            sdpa(), approximate()  # warm-up
             for _ in range(REPEATS):
-                for label, fn in (("sdpa", sdpa), ("clustered", clustered)):
+                for label, fn in (("sdpa", sdpa), ("clustered", approximate)):
                     begin = now()
                     fn()
                     times[label].append(now() - begin)

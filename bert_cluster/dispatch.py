@@ -8,13 +8,12 @@ backend that cannot run raises a ``ValueError`` listing them. ``BERT_CLUSTER_BAC
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from bert_cluster import reference
+from bert_cluster import environment, reference
 
 STEPS = (
     "hash_queries",
@@ -204,13 +203,13 @@ PRIORITY: list[str] = ["cuda", "cpu", "reference"]
 
 
 def _forced_name(requested: str) -> str:
-    if os.environ.get("BERT_CLUSTER_DISABLE_KERNELS", "") not in ("", "0"):
+    if environment.kernels_disabled():
         return "reference"
-    env = os.environ.get("BERT_CLUSTER_BACKEND", "").strip()
+    env = environment.backend_override()
     if requested == "auto" and env:
         if env not in ("auto", *BACKENDS):
             raise ValueError(
-                f"BERT_CLUSTER_BACKEND={env!r} is not a backend; allowed: auto, {', '.join(BACKENDS)}"
+                f"{environment.BACKEND}={env!r} is not a backend; allowed: auto, {', '.join(BACKENDS)}"
             )
         return env
     return requested

@@ -21,19 +21,21 @@ import inspect
 import logging
 import sys
 import threading
+from collections.abc import Sized
 from typing import Any
 
 import torch
 
 from bert_cluster.attention import clustered_attention, windowed_attention
-from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.config import ClusteredAttentionConfig, check_setting_names
 
 ATTENTION_NAME = "bert_cluster"  # no "flash" (would import FlashAttention), no "/" (would mean a Hub kernel)
 SETTINGS_KEY = "clustered_attention"
 
-#: model_type values covered by the test suite (tests/families.py); any other family whose attention goes
-#: through the interface is converted too. Checked on transformers 5.24.
-TESTED_FAMILIES = (
+#: model_type values covered by the test suite (tests/families.py imports these lists); any other family
+#: whose attention goes through the interface is converted too. Checked on transformers 5.24.
+#: The families tested in full (the ones the README names).
+SUPPORTED_FAMILIES = (
     "bert",
     "roberta",
     "distilbert",
@@ -48,6 +50,9 @@ TESTED_FAMILIES = (
     "eurobert",
     "ultrabert",
     "neomme",
+)
+#: Further native families whose attention goes through the interface, tested lighter.
+ROUTED_FAMILIES = (
     "xlm-roberta-xl",
     "roberta-prelayernorm",
     "xmod",
@@ -58,6 +63,7 @@ TESTED_FAMILIES = (
     "data2vec-text",
     "bert-generation",
 )
+TESTED_FAMILIES = SUPPORTED_FAMILIES + ROUTED_FAMILIES
 
 logger = logging.getLogger(__name__)
 _registered = False
@@ -409,22 +415,7 @@ def _sentence_transformer_models(model: Any) -> list[Any] | None:
 # --- the API -------------------------------------------------------------------------------------------
 
 
-def convert(
-    model: Any,
-    clusters: int = 25,
-    *,
-    topk: int = 32,
-    bits: int = 63,
-    iterations: int = 10,
-    mode: str = ClusteredAttentionConfig.mode,
-    layers: list[int] | tuple[int, ...] | None = None,
-    seed: int = 0,
-    min_length: int | str = "auto",
-    cluster_growth: float = ClusteredAttentionConfig.cluster_growth,
-    topk_growth: float = ClusteredAttentionConfig.topk_growth,
-    backend: str = "auto",
-    config: ClusteredAttentionConfig | None = None,
-) -> Any:
+def convert(model: Any, config: ClusteredAttentionConfig | None = None, **settings: Any) -> Any:
     """Patch an encoder in place with (improved) clustered attention and return it.
 
     Args:
@@ -432,53 +423,44 @@ def convert(
             (BERT, RoBERTa, DistilBERT, ELECTRA, ALBERT, XLM-R, CamemBERT, ModernBERT, nomic-bert, GTE,
             Jina v3, EuroBERT, ...), or a ``sentence_transformers.SentenceTransformer`` (its transformer
             module's model is patched).
-        clusters, topk, bits, iterations, mode, seed, min_length, cluster_growth, topk_growth, backend:
-            see ``ClusteredAttentionConfig``.
-        layers: indices of the attention layers to patch (the model's layer numbers), or None for all.
-            In hybrid models (ModernBERT) a selected sliding-window layer runs the exact band
-            (``windowed_attention``), a selected global layer clustered attention; unselected layers keep
-            the model's own implementation and mask.
         config: a ready ``ClusteredAttentionConfig``, instead of the keyword settings.
+        settings: fields of ``ClusteredAttentionConfig`` to change from ``convert``'s preset,
+            ``ClusteredAttentionConfig.for_convert()`` (clusters=25, topk=32, bits=63, iterations=10,
+            mode="i-clustered+", min_length="auto", cluster_growth=0.5, topk_growth=0.5, seed=0,
+            layers=None, backend="auto"). ``layers``: indices of the attention layers to patch (the
+            model's layer numbers), or None for all; in hybrid models (ModernBERT) a selected
+            sliding-window layer runs the exact band (``windowed_attention``), a selected global layer
+            clustered attention; unselected layers keep the model's own implementation and mask.
 
-    ``min_length`` defaults to ``"auto"`` here (``ClusteredAttentionConfig`` defaults to 0): rows too short
-    for clustering to pay on this machine run torch's SDPA, so a converted model is never slower than
-    the unmodified one; pass ``min_length=0`` to approximate every row longer than C.
+    ``min_length`` is ``"auto"`` in this preset (0 in ``ClusteredAttentionConfig()`` and the evaluator's):
+    rows too short for clustering to pay on this machine run torch's SDPA, so a converted model is never
+    slower than the unmodified one; pass ``min_length=0`` to approximate every row longer than C.
 
     The model gets a config object of its own (a config shared with another model is left alone).
     Converting an already converted model replaces its settings; ``revert`` restores the implementation
     the model had before the first ``convert``.
+
+    Raises:
+        TypeError: an unknown setting name (the allowed ones are listed), a value of the wrong type, or
+            ``config=`` together with keyword settings.
+        ValueError: a value out of range, or a model that cannot be patched (the reason is given).
     """
+    check_setting_names(settings)
     if config is None:
-        if layers is not None and not isinstance(layers, (str, bytes)) and len(layers) == 0:
+        layers = settings.get("layers")
+        if isinstance(layers, Sized) and not isinstance(layers, (str, bytes)) and len(layers) == 0:
             raise ValueError("layers=[] patches no layer: pass None for all layers, or the indices to patch")
-        config = ClusteredAttentionConfig(
-            clusters=clusters,
-            topk=topk,
-            bits=bits,
-            iterations=iterations,
-            mode=mode,
-            layers=tuple(layers) if isinstance(layers, list) else layers,
-            seed=seed,
-            min_length=min_length,
-            cluster_growth=cluster_growth,
-            topk_growth=topk_growth,
-            backend=backend,
-        )
+        config = ClusteredAttentionConfig.for_convert(**settings)
     elif not isinstance(config, ClusteredAttentionConfig):
         raise TypeError(
             "config must be a bert_cluster.ClusteredAttentionConfig (for a dict d: "
             f"ClusteredAttentionConfig.from_dict(d)), got {type(config).__name__}"
         )
     else:
-        given = dict(
-            clusters=clusters, topk=topk, bits=bits, iterations=iterations, mode=mode, layers=layers,
-            seed=seed, min_length=min_length, cluster_growth=cluster_growth, topk_growth=topk_growth,
-            backend=backend,
-        )  # fmt: skip
-        defaults = inspect.signature(convert).parameters
-        clash = [name for name, value in given.items() if value != defaults[name].default]
-        if clash:
-            raise TypeError(f"pass either config= or keyword settings, not both (got config= and {clash})")
+        if settings:
+            raise TypeError(
+                f"pass either config= or keyword settings, not both (got config= and {sorted(settings)})"
+            )
         if config.layers is not None and len(config.layers) == 0:
             raise ValueError("layers=() patches no layer: use None for all layers, or the indices to patch")
     inner = _sentence_transformer_models(model)

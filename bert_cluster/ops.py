@@ -6,8 +6,8 @@ fake kernels) whether or not ``bert_cluster._C`` was built. ``kernels/cpu/*.cpp`
 order and output shapes of the matching function in ``bert_cluster.reference``.
 
 This module is imported lazily (by the kernel backends in ``bert_cluster.dispatch``), never by
-``import bert_cluster``. Import order, with no circle: ``_loader`` (imports ``_C``) <- ``ops`` (schemas,
-then ``_C``) <- ``dispatch`` (availability) <- ``_build`` (build facts, the build driver).
+``import bert_cluster``. Import order, with no circle: ``environment`` <- ``_loader`` (imports ``_C``)
+<- ``ops`` (schemas, then ``_C``) <- ``dispatch`` (availability) <- ``_build`` (build facts, the driver).
 """
 
 from __future__ import annotations

@@ -318,6 +318,7 @@ def main() -> None:
 
     import torch
 
+    from bert_cluster import environment
     from bert_cluster._build import build_info
 
     info = build_info()
@@ -375,7 +376,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
-            "processor": _cpu_model(),
+            "processor": environment.cpu_name(),
             "threads": args.threads,
             "load_average_before": load_before,
             "load_average_after": load_after,
@@ -416,16 +417,6 @@ def _paired_ratio(times, method: str, n: int) -> float | None:
     if mode in ("", "i-clustered") or (method, n) not in times or base not in times:
         return None
     return statistics.median(t / b for t, b in zip(times[(method, n)], times[base], strict=True))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

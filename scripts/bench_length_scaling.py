@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bert_cluster import environment
 
 REPO = Path(__file__).resolve().parents[1]
 #: ../shared as the tests find it (BERT_CLUSTER_SHARED overrides; a git worktree may sit one level deeper).
@@ -36,7 +37,7 @@ SHARED = next(
     (
         p
         for p in (
-            Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared")),
+            environment.shared_dir(REPO.parent / "shared"),
             REPO.parents[1] / "shared",
         )
         if (p / "data").is_dir()

@@ -85,7 +85,7 @@ def main() -> None:
 
     import torch
 
-    from bert_cluster import _loader, crossover
+    from bert_cluster import _build, crossover
 
     torch.set_num_threads(args.threads)
     path = args.model or default_model()
@@ -143,7 +143,7 @@ def main() -> None:
     }
     if "auto" in models:
         print(f"auto crossovers in {crossover.cache_dir()}: {sorted(set(measured.values()))}")
-    info = _loader.build_info()
+    info = _build.build_info()
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": str(path),

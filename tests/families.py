@@ -4,35 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from bert_cluster.hf import ROUTED_FAMILIES, SUPPORTED_FAMILIES
+
+# The family lists live once, in bert_cluster.hf (which warns when it converts a family outside them).
 #: Families whose attention goes through transformers' AttentionInterface: ``convert`` supports them.
-SUPPORTED = [
-    "bert",
-    "roberta",
-    "distilbert",
-    "electra",
-    "albert",
-    "xlm-roberta",
-    "camembert",
-    "modernbert",
-    "nomic_bert",
-    "gte",
-    "jina_embeddings_v3",
-    "eurobert",
-    "ultrabert",
-    "neomme",
-]
+SUPPORTED = list(SUPPORTED_FAMILIES)
 #: Further native families whose attention goes through the interface (checked on 5.24), tested lighter.
-ALSO_ROUTED = [
-    "xlm-roberta-xl",
-    "roberta-prelayernorm",
-    "xmod",
-    "roc_bert",
-    "ernie",
-    "esm",
-    "mobilebert",
-    "data2vec-text",
-    "bert-generation",
-]
+ALSO_ROUTED = list(ROUTED_FAMILIES)
 #: Families that compute attention in their own code: ``convert`` refuses them.
 REFUSED = ["deberta", "deberta-v2", "mpnet", "megatron-bert"]
 #: Families with sliding-window (local) layers next to global ones.

@@ -337,3 +337,61 @@ def test_info_prints_build_information():
     result = runner.invoke(app, ["info", "--json"])
     assert result.exit_code == 0, result.output
     assert isinstance(json.loads(result.stdout), dict)
+
+
+def test_log_reporter_and_candidate_lines_print_one_plain_line_per_step():
+    import io
+
+    from rich.console import Console
+
+    from bert_cluster.evaluation import render
+
+    out = io.StringIO()
+    console = Console(file=out, width=300)
+    assert isinstance(render.progress_reporter(console), render.LogReporter)  # not a terminal
+    assert isinstance(
+        render.progress_reporter(Console(file=io.StringIO(), force_terminal=True)), render.RichReporter
+    )
+    reporter = render.CandidateLines(render.LogReporter(console, every=0.0), console)
+    results = fake_results()
+    reporter.start(1)
+    reporter.task("rte", 3)
+    reporter.configuration("unmodified")
+    reporter.advance(1, 4)
+    reporter.configuration_done(results.tasks[0].runs[1])
+    reporter.task_done(results.tasks[0])
+
+    class Scored:
+        label, changes, speedup, screen, status = (
+            "i-clustered C=2 k=4 layers=all",
+            {"acc": -0.25},
+            1.5,
+            None,
+            "ok",
+        )
+
+    reporter.candidate(Scored())
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["1 task(s)", "[rte] 3 configuration(s)", "[rte] unmodified: 1/4 (25%), ETA 0 s"]
+    assert lines[3:] == [
+        "[rte] i-clustered C=25 seed=0: accuracy 59.00 (2.0 s, 0.50x, cpu)",
+        "[rte] ok (data: /d/RTE/dev.tsv)",
+        "i-clustered C=2 k=4 layers=all: Δ acc -0.25, 1.50×: ok",
+    ]
+
+
+def test_the_terminal_tables_have_the_markdown_rows():
+    import io
+
+    from rich.console import Console
+
+    from bert_cluster.evaluation import render, report
+
+    results = fake_results()
+    header, rows = report.table_rows(results)
+    table = render.results_table(results)
+    assert [column.header for column in table.columns] == header and table.row_count == len(rows)
+    assert [column.justify for column in table.columns][:3] == ["left", "left", "right"]
+    out = io.StringIO()
+    Console(file=out, width=200).print(table)
+    assert all(cell in out.getvalue() for row in rows for cell in row)

@@ -145,3 +145,34 @@ def test_row_settings_change_nothing_up_to_512_tokens_and_grow_as_documented_aft
     assert ClusteredAttentionConfig(cluster_growth=0, topk_growth=0).row_settings(8192) == (25, 32)
     assert ClusteredAttentionConfig(cluster_growth=1, topk_growth=1).row_settings(8192) == (400, 512)
     assert ClusteredAttentionConfig(clusters=2**31 - 1, cluster_growth=1).row_settings(10**6)[0] == 2**31 - 1
+
+
+def test_the_two_presets_differ_only_in_min_length():
+    convert, evaluation = ClusteredAttentionConfig.for_convert(), ClusteredAttentionConfig.for_evaluation()
+    assert convert.min_length == "auto" and evaluation.min_length == 0
+    assert convert.replace(min_length=0) == evaluation == ClusteredAttentionConfig()
+    assert ClusteredAttentionConfig.for_convert(clusters=50, layers=[2, 1]) == convert.replace(
+        clusters=50, layers=(1, 2)
+    )
+    assert ClusteredAttentionConfig.for_evaluation(min_length=128).min_length == 128
+
+
+@pytest.mark.parametrize(
+    "preset", [ClusteredAttentionConfig.for_convert, ClusteredAttentionConfig.for_evaluation]
+)
+def test_a_preset_refuses_an_unknown_setting_naming_the_allowed_ones(preset):
+    with pytest.raises(
+        TypeError, match=r"unknown clustered attention setting\(s\) \['clusterz'\]; allowed: clusters"
+    ):
+        preset(clusterz=3)
+    with pytest.raises(ValueError, match="clusters must be >= 1"):
+        preset(clusters=0)
+
+
+def test_the_evaluator_and_the_cli_use_the_presets():
+    from bert_cluster import evaluation
+    from bert_cluster.config import CONVERT_SETTINGS, EVALUATION_SETTINGS
+
+    assert evaluation.EVALUATION_DEFAULTS == dict(EVALUATION_SETTINGS) == {"min_length": 0}
+    assert dict(CONVERT_SETTINGS) == {"min_length": "auto"}
+    assert evaluation._attention(None, {}) == ClusteredAttentionConfig.for_evaluation()

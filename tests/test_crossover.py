@@ -9,6 +9,7 @@ import torch
 
 from bert_cluster import ClusteredAttentionConfig, clustered_attention, crossover, dispatch
 from bert_cluster import reference as R
+from bert_cluster.attention import _clustered
 
 
 @pytest.fixture()
@@ -47,19 +48,19 @@ def test_measured_once_then_read_from_the_cache_file(cache, monkeypatch):
     backend = dispatch.ReferenceBackend()
     q, k, v = q_k_v()
     config = ClusteredAttentionConfig(min_length="auto")
-    assert crossover.min_length(backend, q, k, v, config, 0.5) == 300
-    assert crossover.min_length(backend, q, k, v, config, 0.5) == 300
+    assert crossover.min_length(backend, q, k, v, config, 0.5, _clustered) == 300
+    assert crossover.min_length(backend, q, k, v, config, 0.5, _clustered) == 300
     assert len(calls) == 1
     crossover.clear_memory()  # a new process: reads the file
-    assert crossover.min_length(backend, q, k, v, config, 0.5) == 300 and len(calls) == 1
+    assert crossover.min_length(backend, q, k, v, config, 0.5, _clustered) == 300 and len(calls) == 1
     stored = json.loads(cache.read_text())
     (entry,) = stored.values()
     assert entry["facts"]["backend"] == "reference" and entry["facts"]["heads"] == 2
     assert entry["facts"]["threads"] == torch.get_num_threads() and entry["facts"]["dtype"] == "float32"
     # What the crossover depends on is its key: another head dim, dtype or setting measures again.
-    crossover.min_length(backend, *q_k_v(dk=16), config, 0.5)
-    crossover.min_length(backend, *(t.bfloat16() for t in q_k_v()), config, 0.5)
-    crossover.min_length(backend, q, k, v, config.replace(clusters=50), 0.5)
+    crossover.min_length(backend, *q_k_v(dk=16), config, 0.5, _clustered)
+    crossover.min_length(backend, *(t.bfloat16() for t in q_k_v()), config, 0.5, _clustered)
+    crossover.min_length(backend, q, k, v, config.replace(clusters=50), 0.5, _clustered)
     assert len(calls) == 4 and len(json.loads(cache.read_text())) == 4
 
 
@@ -73,7 +74,10 @@ def test_an_unwritable_cache_folder_keeps_the_figure_in_memory(tmp_path, monkeyp
     q, k, v = q_k_v()
     for _ in range(2):
         assert (
-            crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5) == 7
+            crossover.min_length(
+                dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5, _clustered
+            )
+            == 7
         )
     assert len(calls) == 1
     crossover.clear_memory()
@@ -84,10 +88,15 @@ def test_a_noisy_measurement_is_used_but_not_cached(cache, monkeypatch):
     noisy = {"min_length": 900, "stable": False, "timings": []}
     monkeypatch.setattr(crossover, "measure", lambda *a: calls.append(1) or noisy)
     q, k, v = q_k_v()
-    assert crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5) == 900
+    assert (
+        crossover.min_length(
+            dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5, _clustered
+        )
+        == 900
+    )
     assert not cache.exists()
     crossover.clear_memory()  # the next process measures again
-    crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5)
+    crossover.min_length(dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(), 0.5, _clustered)
     assert len(calls) == 2
 
 
@@ -95,7 +104,7 @@ def test_a_real_measurement_is_quick_and_well_formed(cache, monkeypatch):
     monkeypatch.setattr(crossover, "BUDGET_S", 0.3)
     q, k, v = q_k_v(heads=1, dk=4, dv=4)
     result = crossover.measure(
-        dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(clusters=4), 0.5
+        dispatch.ReferenceBackend(), q, k, v, ClusteredAttentionConfig(clusters=4), 0.5, _clustered
     )
     assert result["timings"] and result["seconds"] < 10
     assert result["min_length"] == crossover.crossover_from(result["timings"]) >= 0

@@ -156,21 +156,19 @@ def test_build_kernels_needs_a_source_checkout(monkeypatch, tmp_path) -> None:
     assert result["cpu_ops"] == [] and result["cuda_ops"] == []
 
 
-def test_loader_imports_nothing_from_the_package() -> None:
-    """No import circle: _loader <- ops <- dispatch <- _build, and _loader imports only _C."""
+def test_loader_imports_only_the_environment_from_the_package() -> None:
+    """No import circle: environment <- _loader <- ops <- dispatch <- _build; the build lives in _build."""
     import ast
     import inspect
 
     tree = ast.parse(inspect.getsource(_loader))
-    top_level = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    names = [alias.name for node in top_level for alias in node.names] + [
-        node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)
+    imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [alias.name for node in imports for alias in node.names] + [
+        node.module or "" for node in imports if isinstance(node, ast.ImportFrom)
     ]
-    assert not any(name.startswith("bert_cluster") for name in names), names
-    # the old names stay importable for callers that have not moved to bert_cluster._build
-    from bert_cluster._loader import build_info, build_kernels
-
-    assert build_info is _build.build_info and build_kernels is _build.build_kernels
+    assert [name for name in names if name.startswith("bert_cluster")] == ["bert_cluster"], names
+    assert "environment" in names
+    assert not hasattr(_loader, "build_info") and not hasattr(_loader, "build_kernels")
 
 
 def test_registered_kernels_are_checked_per_device(fresh_loader, monkeypatch) -> None:

@@ -295,6 +295,13 @@ def test_a_vision_encoder_is_refused():
         ({"layers": []}, ValueError, r"layers=\[\] patches no layer"),
         ({"clusters": 2.5}, TypeError, "clusters must be an int"),
         ({"backend": "tpu"}, ValueError, "backend must be one of"),
+        (
+            {"clusterz": 3},
+            TypeError,
+            r"unknown clustered attention setting\(s\) \['clusterz'\]; allowed: clusters, topk",
+        ),
+        ({"config": bert_cluster.ClusteredAttentionConfig(), "clusters": 25}, TypeError, "not both"),
+        ({"config": 25}, TypeError, "config must be a bert_cluster.ClusteredAttentionConfig"),
         ({"config": {"clusters": 4}}, TypeError, r"config must be a bert_cluster.ClusteredAttentionConfig"),
         (
             {"config": bert_cluster.ClusteredAttentionConfig(), "topk": 8},
@@ -456,3 +463,27 @@ def test_real_minilm_sentence_embeddings_stay_close(shared_dir, minilm_dir):
     assert cosine.mean() > 0.99
     assert cosine.min() > 0.97
     assert cosine.mean() < 0.99999  # and the approximation was really exercised
+
+
+def test_every_documented_call_form_gives_the_settings_it_names():
+    """``convert(model)``: convert's preset; clusters positional or by keyword; or a whole config."""
+    from bert_cluster import hf
+
+    preset = bert_cluster.ClusteredAttentionConfig.for_convert()
+
+    def stored(model):
+        settings = dict(model.config.clustered_attention)
+        settings.pop("original_attn_implementation")
+        return bert_cluster.ClusteredAttentionConfig.from_dict(settings)
+
+    assert stored(bert_cluster.convert(tiny_model("bert"))) == preset
+    assert stored(bert_cluster.convert(tiny_model("bert"), 7)) == preset.replace(clusters=7)
+    assert stored(bert_cluster.convert(tiny_model("bert"), clusters=7, topk=9)) == preset.replace(
+        clusters=7, topk=9
+    )
+    given = bert_cluster.ClusteredAttentionConfig(clusters=3, min_length=0)
+    assert stored(bert_cluster.convert(tiny_model("bert"), config=given)) == given
+    assert stored(hf.convert(tiny_model("bert"), given)) == given
+    assert stored(hf.convert(tiny_model("bert"), mode="clustered")) == preset.replace(mode="clustered")
+    with pytest.raises(TypeError, match="not both"):
+        bert_cluster.convert(tiny_model("bert"), 7, config=given)

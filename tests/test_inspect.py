@@ -1,4 +1,4 @@
-"""``bert_cluster.inspect`` and ``bert-cluster inspect``: the per layer and head numbers, checked against
+"""``bert_cluster.inspection`` and ``bert-cluster inspect``: the per layer and head numbers, checked against
 direct computations, the model left as it was, the heatmap, and the CLI's errors and JSON."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bert_cluster import dispatch, inspect
+from bert_cluster import dispatch, inspection
 from bert_cluster import reference as ref
 from bert_cluster.attention import clustered_attention, hash_planes
 from bert_cluster.cli import app
@@ -36,8 +36,8 @@ def inputs(rows=2, heads=3, n=40, dk=16, seed=0):
 
 
 def reports(config, q, k, v, valid, layer=0, scaling=0.25):
-    totals = inspect._Totals()
-    inspect.inspect_layer(totals, layer, q, k, v, valid, config, scaling)
+    totals = inspection._Totals()
+    inspection.inspect_layer(totals, layer, q, k, v, valid, config, scaling)
     return totals.reports(with_mass=config.mode != "clustered")
 
 
@@ -82,7 +82,7 @@ def test_topk_mass_is_the_exact_weight_on_the_cluster_keys_and_grows_with_k():
     # Direct: head 0, k=4: each valid query's exact weights summed over its cluster's top-k keys.
     config = ClusteredAttentionConfig(clusters=5, topk=4, backend="reference")
     backend = dispatch.ReferenceBackend()
-    assign, _, indices = inspect.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 0)
+    assign, _, indices = inspection.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 0)
     total, count = 0.0, 0
     for row in range(2):
         keep = valid[row]
@@ -115,7 +115,7 @@ def test_cluster_steps_reproduce_clustered_attention():
     q, k, v, valid = inputs()
     config = ClusteredAttentionConfig(clusters=5, topk=4, mode="i-clustered", backend="reference")
     backend = dispatch.ReferenceBackend()
-    assign, counts, indices = inspect.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 3)
+    assign, counts, indices = inspection.cluster_steps(backend, q, k, v, valid, config, 5, 4, 0.25, 3)
     planes, offsets = hash_planes(0, 3, config.bits, 16, q.device)
     hashes = ref.hash_queries(q, planes, offsets)
     expected_assign, _ = ref.hamming_kmeans(hashes, valid, 5, config.iterations, config.bits)
@@ -130,9 +130,9 @@ def test_cluster_steps_reproduce_clustered_attention():
 
 def test_suggest_layers_keeps_those_within_the_budget():
     def head(layer, h, error):
-        return inspect.HeadReport(layer, h, error, 0.5, 3.0, 4.0, 0.3, 1)
+        return inspection.HeadReport(layer, h, error, 0.5, 3.0, 4.0, 0.3, 1)
 
-    report = inspect.Inspection(
+    report = inspection.Inspection(
         ClusteredAttentionConfig(),
         1,
         12,
@@ -173,7 +173,7 @@ def test_inspect_model_reports_every_layer_and_head_and_leaves_the_model_as_it_w
     with torch.inference_mode():
         before = model(**encoded).last_hidden_state
     implementation = model.config._attn_implementation
-    report = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
+    report = inspection.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
     assert model.config._attn_implementation == implementation
     with torch.inference_mode():
         torch.testing.assert_close(model(**encoded).last_hidden_state, before, rtol=0, atol=0)
@@ -190,7 +190,7 @@ def test_inspect_model_reports_every_layer_and_head_and_leaves_the_model_as_it_w
 
 def test_inspect_model_is_exact_with_k_covering_every_key(tiny):
     _, model, tokenizer = tiny
-    report = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=128, backend="reference")
+    report = inspection.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=128, backend="reference")
     assert max(h.relative_error for h in report.heads) < EXACT_ERROR
     assert all(h.topk_mass == pytest.approx(1.0, abs=1e-6) for h in report.heads)
 
@@ -198,15 +198,15 @@ def test_inspect_model_is_exact_with_k_covering_every_key(tiny):
 def test_inspect_model_refuses_bad_inputs(tiny):
     _, model, tokenizer = tiny
     with pytest.raises(ValueError, match="no inputs"):
-        inspect.inspect_model(model, [], tokenizer)
+        inspection.inspect_model(model, [], tokenizer)
     with pytest.raises(ValueError, match="tokenizer"):
-        inspect.inspect_model(model, TEXTS)
+        inspection.inspect_model(model, TEXTS)
     with pytest.raises(TypeError, match="ClusteredAttentionConfig"):
-        inspect.inspect_model(model, TEXTS, tokenizer, config={"clusters": 4})
+        inspection.inspect_model(model, TEXTS, tokenizer, config={"clusters": 4})
     with pytest.raises(ValueError, match="batch_size"):
-        inspect.inspect_model(model, TEXTS, tokenizer, batch_size=0)
+        inspection.inspect_model(model, TEXTS, tokenizer, batch_size=0)
     with pytest.raises(TypeError):
-        inspect.inspect_model(torch.nn.Linear(2, 2), TEXTS, tokenizer)
+        inspection.inspect_model(torch.nn.Linear(2, 2), TEXTS, tokenizer)
 
 
 def test_cli_json_has_the_api_numbers_and_writes_the_heatmap(tiny, tmp_path):
@@ -216,13 +216,17 @@ def test_cli_json_has_the_api_numbers_and_writes_the_heatmap(tiny, tmp_path):
     result = runner.invoke(app, [*args, "--json", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    api = inspect.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
+    api = inspection.inspect_model(model, TEXTS, tokenizer, clusters=4, topk=3, backend="reference")
     assert [h["relative_error"] for h in printed["heads"]] == pytest.approx(
         [h.relative_error for h in api.heads], rel=1e-6
     )
     assert printed["suggested_layers"] == list(api.suggest_layers(0.1))
     assert (tmp_path / "out" / "inspect.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "out" / "inspect.json").read_text())["heads"] == printed["heads"]
+    written = json.loads((tmp_path / "out" / "inspect.json").read_text())
+    assert written["heads"] == printed["heads"] and written["model"] == str(folder)
+    assert written["files"] == ["inspect.json", "inspect.md", "inspect.png"]
+    assert written["settings"]["inputs"] == "--text" and written["environment"]["packages"]["torch"]
+    assert "| layer | rel. error | worst head |" in (tmp_path / "out" / "inspect.md").read_text()
 
     table = runner.invoke(app, [*args, "--heads"])
     assert table.exit_code == 0 and "rel. error" in table.stdout and "worst head" not in table.stdout
@@ -249,10 +253,75 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, extra, message):
 def test_task_inputs_are_the_first_rows_as_text_pairs(tiny, tmp_path):
     folder, model, tokenizer = tiny
     helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
-    pairs = inspect.load_task_texts("rte", tmp_path / "data", limit=2)
+    pairs = inspection.load_task_texts("rte", tmp_path / "data", limit=2)
     assert pairs == [(a, b) for a, b, _ in helpers.RTE_ROWS[:2]]
     args = ["inspect", str(folder), "--task", "rte", "--data-dir", str(tmp_path / "data"), "--limit", "2"]
     result = runner.invoke(app, [*args, "-c", "4", "--backend", "reference", "--json"])
     assert result.exit_code == 0, result.output
-    api = inspect.inspect_model(model, pairs, tokenizer, clusters=4, backend="reference")
+    api = inspection.inspect_model(model, pairs, tokenizer, clusters=4, backend="reference")
     assert json.loads(result.stdout)["tokens"] == api.tokens
+
+
+def test_no_module_of_the_package_shadows_the_standard_library():
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    import bert_cluster
+
+    assert find_spec("bert_cluster.inspect") is None  # renamed to bert_cluster.inspection, no shim
+    root = Path(bert_cluster.__file__).parent
+    shadowing = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*")
+        if (path.suffix == ".py" or (path / "__init__.py").is_file())
+        and path.stem.split(".")[0] in sys.stdlib_module_names
+    )
+    assert shadowing == []
+    # A script run from inside the package (its folder first on sys.path) gets the stdlib inspect.
+    found = subprocess.run(
+        [sys.executable, "-c", "import inspect; print(inspect.__file__)"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert not Path(found).is_relative_to(root), found
+
+
+def test_inspect_checkpoint_loads_inspects_and_writes_after_checking_the_output(tiny, tmp_path, monkeypatch):
+    from bert_cluster.evaluation import modeling
+    from bert_cluster.evaluation.errors import UserError
+
+    folder, model, tokenizer = tiny
+    config = ClusteredAttentionConfig(clusters=4, topk=3, backend="reference")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling, "load_encoder", lambda path: pytest.fail("loaded before the output check"))
+        with pytest.raises(UserError, match="is a file"):
+            inspection.inspect_checkpoint(folder, TEXTS, config, output=afile)
+    report = inspection.inspect_checkpoint(folder, TEXTS, config, max_error=0.5, output=tmp_path / "out")
+    direct = inspection.inspect_model(model, TEXTS, tokenizer, config)
+    assert [h.relative_error for h in report.heads] == pytest.approx([h.relative_error for h in direct.heads])
+    written = json.loads((tmp_path / "out" / "inspect.json").read_text())
+    assert written["max_error"] == 0.5 and written["settings"]["max_length"] == 512
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match=f"cannot load model {broken}"):
+        modeling.load_encoder(broken)
+
+
+def test_a_text_file_gives_its_first_non_empty_lines(tmp_path):
+    from bert_cluster.evaluation.errors import UserError
+
+    path = tmp_path / "inputs.txt"
+    path.write_text("  first line \n\n second\nthird\n", encoding="utf-8")
+    assert inspection.load_text_file(path, limit=2) == ["first line", "second"]
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    with pytest.raises(UserError, match="no non-empty line"):
+        inspection.load_text_file(tmp_path / "blank.txt")
+    with pytest.raises(UserError, match="does not exist"):
+        inspection.load_text_file(tmp_path / "gone.txt")

@@ -39,6 +39,7 @@ def test_import_is_lean():
         "bert_cluster._hook",
         "bert_cluster.attention",
         "bert_cluster.config",
+        "bert_cluster.environment",  # the environment variables' readers: stdlib only
     ]
     assert facts["cuda_initialized"] is False
     assert facts["ops_namespace_loaded"] is False
@@ -47,6 +48,7 @@ def test_import_is_lean():
         "__version__",
         "clustered_attention",
         "convert",
+        "embed",
         "evaluate",
         "info",
         "inspect_model",
@@ -64,6 +66,8 @@ def test_transformers_learns_the_name_once_it_loads_and_evaluate_is_lazy():
         registered = ("bert_cluster" in AttentionInterface._global_mapping,
                       "bert_cluster" in AttentionMaskInterface._global_mapping)
         evaluate = bert_cluster.evaluate
-        print(json.dumps({"before": before, "registered": registered, "callable": callable(evaluate)}))
+        embed = bert_cluster.embed
+        print(json.dumps({"before": before, "registered": registered,
+                          "callable": [callable(evaluate), callable(embed)]}))
     """)
-    assert facts == {"before": False, "registered": [True, True], "callable": True}
+    assert facts == {"before": False, "registered": [True, True], "callable": [True, True]}

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
 from bert_cluster.evaluation.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
@@ -44,9 +44,9 @@ __all__ = [
     "tune",
 ]
 
-#: Where the evaluator's attention settings differ from ``convert``'s: it approximates every row longer
-#: than C tokens (no exact attention for short rows), since its job is to measure the approximation.
-EVALUATION_DEFAULTS: dict[str, Any] = {"min_length": 0}
+#: Where the evaluator's attention settings differ from the field defaults: its preset,
+#: ``ClusteredAttentionConfig.for_evaluation()`` (every row longer than C tokens is approximated).
+EVALUATION_DEFAULTS: dict[str, Any] = dict(EVALUATION_SETTINGS)
 _ATTENTION_FIELDS = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
 _DEFAULT_KEYS = {
     "model",

@@ -18,11 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bert_cluster import environment
 from bert_cluster.evaluation.errors import UserError, one_line
 from bert_cluster.evaluation.tasks import LocalFile, TaskConfig
 
 #: Extra data folders, separated by ``os.pathsep``, searched after the ones passed explicitly.
-DATA_DIR_ENV = "BERT_CLUSTER_DATA_DIR"
+DATA_DIR_ENV = environment.DATA_DIR
 #: The demo's data files, shipped with the package (``scripts/make_demo_data.py`` writes them).
 PACKAGE_DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -45,8 +46,7 @@ def data_dirs(explicit: Sequence[str | Path] | str | Path | None) -> list[Path]:
     for folder in folders:
         if not folder.is_dir():
             raise UserError(f"data folder {folder} does not exist or is not a folder")
-    env = os.environ.get(DATA_DIR_ENV, "")
-    return folders + [Path(part).expanduser() for part in env.split(os.pathsep) if part]
+    return folders + environment.data_dirs()
 
 
 def candidates(task: TaskConfig, folders: Sequence[Path]) -> list[tuple[str, LocalFile]]:

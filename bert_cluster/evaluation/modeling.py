@@ -109,6 +109,26 @@ def load_with_head(
     return loaded, tokenizer
 
 
+def load_encoder(model: str | Path) -> tuple[torch.nn.Module, Any]:
+    """The encoder of any checkpoint (its head is not needed: inspection) and its tokenizer, in eval mode.
+
+    ``model`` is resolved as everywhere (``package:NAME``, a folder, a hub id).
+
+    Raises:
+        UserError: the path does not exist or the checkpoint cannot be loaded.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    source = resolve_model(check_model_path(model))
+    try:
+        with quiet():
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            loaded = AutoModel.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
+    return loaded.eval(), tokenizer
+
+
 def pad_batch(
     tokenizer: Any, features: Sequence[dict[str, list[int]]], device: str
 ) -> dict[str, torch.Tensor]:

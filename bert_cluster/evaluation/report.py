@@ -1,4 +1,10 @@
-"""Typed results of an evaluation run, and what is written from them: results.json, results.md, a plot.
+"""The one report writer (JSON + markdown + plot, with the run's metadata), and evaluate's typed results.
+
+``write_report`` writes every report bert-cluster makes: evaluate's results.json / results.md /
+scores.png (``write``), tune's tune.* (``tuner.write``) and inspect's inspect.* (``inspection.write``).
+Each JSON document carries ``settings`` and ``environment`` (package versions, hardware, git hash,
+date: ``environment()``), each markdown file ends with the same settings-and-environment section
+(``metadata_markdown``), and the JSON lists the files written.
 
 ``Results.to_dict()`` is the results.json schema (``schema_version`` bumps when it changes): the run's
 settings, the environment (package versions, hardware, git hash, date), and per task its version,
@@ -15,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -27,11 +32,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bert_cluster import environment as machine
 from bert_cluster.evaluation.errors import UserError, one_line
 
 SCHEMA_VERSION = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportFiles:
+    """The names of the files one kind of report writes: its JSON, its markdown, a plot, further files."""
+
+    json: str
+    markdown: str
+    plot: str | None = None
+    extra: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name, the only ones a later write into the same folder may remove."""
+        return (self.json, self.markdown, *((self.plot,) if self.plot else ()), *self.extra)
+
+
+#: What ``evaluate`` writes.
+RESULTS_FILES = ReportFiles("results.json", "results.md", "scores.png")
 #: The files a run writes (and the only ones ``--overwrite`` may remove).
-FILES = ("results.json", "results.md", "scores.png")
+FILES = RESULTS_FILES.names
+#: The keys of ``environment()`` that every report's markdown shows.
+METADATA_KEYS = ("packages", "hardware", "git", "date")
 _PACKAGES = (
     "bert-cluster",
     "torch",
@@ -236,30 +263,16 @@ def _git_hash() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: str = "cpu", processes: int = 1) -> dict[str, Any]:
     """Package versions, hardware, git hash and date: what makes a results.json interpretable later."""
     import torch
 
     versions = {"python": platform.python_version()}
     for package in _PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
+        versions[package] = machine.package_version(package)
     hardware: dict[str, Any] = {
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": machine.cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
@@ -317,7 +330,8 @@ def table_rows(results: Results) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _table(header: list[str], rows: list[list[str]], right_from: int) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]], right_from: int) -> list[str]:
+    """A markdown table's lines: the first ``right_from`` columns left-aligned, the others right."""
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] * right_from + ["---:"] * (len(header) - right_from)) + "|",
@@ -345,7 +359,7 @@ def markdown(results: Results) -> str:
             else "rows shorter than that use exact attention, so they are not approximated."
         ),
         "",
-        *_table(header, rows, 2),
+        *markdown_table(header, rows, 2),
         "",
         "## Speed",
         "",
@@ -363,7 +377,7 @@ def markdown(results: Results) -> str:
         for task in results.tasks
         for run in task.runs
     ]
-    lines += _table(
+    lines += markdown_table(
         ["task", "configuration", "attention", "wall time (s)", "examples/s", "tokens/s", "speedup"],
         speed_rows,
         3,
@@ -376,13 +390,13 @@ def markdown(results: Results) -> str:
             f"- **{task.task}** (v{task.version}, {task.examples} examples{notes}, {status}): "
             f"model `{task.model}`, data `{task.source}`"
         )
-    env = results.environment
-    document = {
-        "settings": results.settings,
-        **{key: env.get(key) for key in ("packages", "hardware", "git", "date")},
-    }
-    lines += ["", "## Settings and environment", "", "```json", json.dumps(document, indent=2), "```", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *metadata_markdown(results.settings, results.environment)])
+
+
+def metadata_markdown(settings: Mapping[str, Any], environment: Mapping[str, Any]) -> list[str]:
+    """The closing section of every report's markdown: its settings, package versions, hardware, git, date."""
+    document = {"settings": settings, **{key: environment.get(key) for key in METADATA_KEYS}}
+    return ["## Settings and environment", "", "```json", json.dumps(document, indent=2), "```", ""]
 
 
 def plot(results: Results, path: Path) -> Path | None:
@@ -443,12 +457,12 @@ def plot(results: Results, path: Path) -> Path | None:
             axes.grid(alpha=0.3)
     figure.suptitle(f"{', '.join(modes)} attention against the unmodified model (dotted)")
     figure.tight_layout()
-    _atomic(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
+    atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)
     return path
 
 
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """``write(temporary path)``, then rename it to ``path``: a reader never sees half a file."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -495,38 +509,72 @@ def check_output(folder: str | Path, overwrite: bool = False) -> Path:
 
 
 def write(results: Results, folder: str | Path) -> dict[str, Path]:
-    """Write results.json, results.md and scores.png into ``folder`` (checked by ``check_output``).
+    """Write results.json, results.md and scores.png into ``folder`` (checked by ``check_output``)."""
+    return write_report(
+        folder,
+        RESULTS_FILES,
+        results.to_dict(),
+        markdown(results),
+        plot=lambda path: plot(results, path),
+    )
 
-    Files of an earlier run listed in its results.json and not written now are removed (so a stale plot
-    never sits beside new results); no other file is touched.
+
+def write_report(
+    folder: str | Path,
+    files: ReportFiles,
+    document: Mapping[str, Any],
+    text: str,
+    *,
+    plot: Callable[[Path], Path | None] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, Path]:
+    """Write one report into ``folder``: the plot, further text files, the markdown, then the JSON.
+
+    ``document`` must carry ``settings`` and ``environment`` (``environment()``): a report without the
+    versions, git hash and date it came from cannot be interpreted later. ``plot(path)`` draws the plot
+    (None: nothing to draw). The JSON is written last, with the names written under ``files``; files
+    of an earlier report of the same kind listed in its JSON and not written now are removed (a stale
+    plot never sits beside new numbers); no other file is touched. Every file is written atomically.
+
+    Raises:
+        ValueError: ``document`` lacks its metadata, or ``extra`` names a file ``files`` does not list.
+        UserError: ``folder`` cannot be created.
     """
+    missing = [key for key in ("settings", "environment") if key not in document]
+    missing += [f"environment.{key}" for key in METADATA_KEYS if key not in document.get("environment", {})]
+    if missing:
+        raise ValueError(f"a report document needs its metadata; missing {', '.join(dict.fromkeys(missing))}")
+    unknown = sorted(set(extra or {}) - set(files.extra))
+    if unknown:
+        raise ValueError(f"extra file(s) {unknown} are not among this report's files {list(files.names)}")
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise UserError(f"cannot create output folder {folder}: {error.strerror or error}") from None
+        reason = error.strerror or one_line(error)
+        raise UserError(f"cannot create output folder {folder}: {reason}") from None
     written: dict[str, Path] = {}
-    if plot(results, folder / "scores.png") is not None:
-        written["scores.png"] = folder / "scores.png"
-    written["results.md"] = folder / "results.md"
-    _atomic(
-        written["results.md"],
-        lambda temporary: Path(temporary).write_text(markdown(results), encoding="utf-8"),
-    )
-    written["results.json"] = folder / "results.json"
-    earlier = _listed(written["results.json"])
-    document = {**results.to_dict(), "files": sorted(written)}
-    text = json.dumps(document, indent=2) + "\n"
-    _atomic(written["results.json"], lambda temporary: Path(temporary).write_text(text, encoding="utf-8"))
+
+    def put(name: str, content: str) -> None:
+        written[name] = folder / name
+        atomic_write(written[name], lambda temporary: Path(temporary).write_text(content, encoding="utf-8"))
+
+    if plot is not None and files.plot is not None and plot(folder / files.plot) is not None:
+        written[files.plot] = folder / files.plot
+    for name, content in (extra or {}).items():
+        put(name, content)
+    put(files.markdown, text)
+    earlier = _listed(folder / files.json, files.names)
+    put(files.json, json.dumps({**document, "files": sorted({*written, files.json})}, indent=2) + "\n")
     for name in earlier - set(written):
         (folder / name).unlink(missing_ok=True)
     return written
 
 
-def _listed(path: Path) -> set[str]:
-    """The files an earlier run's results.json says it wrote (only names this module writes)."""
+def _listed(path: Path, names: tuple[str, ...]) -> set[str]:
+    """The files an earlier report's JSON says it wrote (only ``names``, the ones this kind writes)."""
     try:
         listed = json.loads(path.read_text(encoding="utf-8")).get("files", [])
     except (OSError, ValueError, AttributeError):
         return set()
-    return {name for name in listed if name in FILES}
+    return {name for name in listed if name in names}

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from bert_cluster import environment
 from bert_cluster.evaluation.errors import UserError, one_line
 
 #: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
@@ -48,9 +48,9 @@ _FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "pac
 
 def config_root() -> Path:
     """The ``configs`` folder: ``$BERT_CLUSTER_CONFIGS``, inside the package, or at the repository root."""
-    env = os.environ.get("BERT_CLUSTER_CONFIGS")
-    if env:
-        return Path(env).expanduser()
+    explicit = environment.configs_dir()
+    if explicit is not None:
+        return explicit
     package = Path(__file__).resolve().parents[1]
     for candidate in (package / "configs", package.parent / "configs"):
         if (candidate / "tasks").is_dir():

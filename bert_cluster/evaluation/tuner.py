@@ -32,7 +32,14 @@ from typing import Any
 
 from bert_cluster.config import MODES, ClusteredAttentionConfig
 from bert_cluster.evaluation.errors import UserError, one_line, positive_int
-from bert_cluster.evaluation.report import RunResult
+from bert_cluster.evaluation.report import (
+    ReportFiles,
+    RunResult,
+    atomic_write,
+    markdown_table,
+    metadata_markdown,
+    write_report,
+)
 
 #: The default grid: cluster counts C and exact keys k tried (the product's C = 25, k = 32 included).
 DEFAULT_CLUSTERS = (10, 25, 50, 100)
@@ -42,7 +49,8 @@ COSTS = ("speed", "attention")
 #: Screening with screen="auto": the first quarter of a slice of at least this many examples.
 AUTO_SCREEN_MIN = 200
 #: The files a tuning run writes into its output folder (and the only ones --overwrite removes).
-FILES = ("tune.json", "tune.md", "tune.png", "clustered-attention.json")
+TUNE_FILES = ReportFiles("tune.json", "tune.md", "tune.png", extra=("clustered-attention.json",))
+FILES = TUNE_FILES.names
 SCHEMA_VERSION = 1
 _SLACK = 1e-9  # a change of exactly -budget is within budget (float sums of per-example scores)
 
@@ -702,8 +710,6 @@ def table_rows(result: TuneResult) -> tuple[list[str], list[list[str]]]:
 
 def markdown(result: TuneResult) -> str:
     """tune.md: the recommendation, the trade-off table, the settings and the environment."""
-    from bert_cluster.evaluation.report import _table
-
     header, rows = table_rows(result)
     judged = ", ".join(display for _, display in result.metrics)
     lines = [
@@ -723,17 +729,12 @@ def markdown(result: TuneResult) -> str:
         + ("?" if result.mean_length is None else f"{result.mean_length:.0f}")
         + " tokens, the slice's mean row length).",
         "",
-        *_table(header, rows, 3),
+        *markdown_table(header, rows, 3),
         "",
     ]
     if result.notes:
         lines += ["Notes: " + "; ".join(result.notes) + ".", ""]
-    document = {
-        "settings": result.settings,
-        **{k: result.environment.get(k) for k in ("packages", "hardware", "git", "date")},
-    }
-    lines += ["## Settings and environment", "", "```json", json.dumps(document, indent=2), "```", ""]
-    return "\n".join(lines)
+    return "\n".join([*lines, *metadata_markdown(result.settings, result.environment)])
 
 
 def plot(result: TuneResult, path: Path) -> Path | None:
@@ -750,8 +751,6 @@ def plot(result: TuneResult, path: Path) -> Path | None:
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-
-    from bert_cluster.evaluation.report import _atomic
 
     rows = len(result.metrics)
     figure, panels = plt.subplots(rows, 2, figsize=(13, 5 * rows), squeeze=False)
@@ -800,7 +799,7 @@ def plot(result: TuneResult, path: Path) -> Path | None:
     cheapest = "modeled attention cost" if result.cost == "attention" else "measured speedup"
     figure.suptitle(f"bert-cluster tune: budget {result.budget:g} point(s), cheapest by {cheapest}")
     figure.tight_layout()
-    _atomic(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
+    atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)
     return path
 
@@ -808,43 +807,17 @@ def plot(result: TuneResult, path: Path) -> Path | None:
 def write(result: TuneResult, folder: str | Path) -> dict[str, Path]:
     """Write tune.json, tune.md, tune.png and (when one is chosen) clustered-attention.json into ``folder``.
 
-    Files of an earlier tuning run listed in its tune.json and not written now are removed (a stale
-    chosen config never sits beside new results); no other file is touched.
+    Through ``report.write_report``: a stale chosen config of an earlier run never sits beside new results.
     """
-    from bert_cluster.evaluation.report import _atomic
-
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(
-            f"cannot create output folder {folder}: {error.strerror or one_line(error)}"
-        ) from None
-    written: dict[str, Path] = {}
-
-    def text(name: str, content: str) -> None:
-        written[name] = folder / name
-        _atomic(written[name], lambda temporary: Path(temporary).write_text(content, encoding="utf-8"))
-
-    if plot(result, folder / "tune.png") is not None:
-        written["tune.png"] = folder / "tune.png"
-    if result.config is not None:
-        text("clustered-attention.json", json.dumps(result.config.to_dict(), indent=2) + "\n")
-    text("tune.md", markdown(result))
-    earlier = _listed(folder / "tune.json")
-    written["tune.json"] = folder / "tune.json"
-    text("tune.json", json.dumps({**result.to_dict(), "files": sorted(written)}, indent=2) + "\n")
-    for name in earlier - set(written):
-        (folder / name).unlink(missing_ok=True)
-    return written
-
-
-def _listed(path: Path) -> set[str]:
-    try:
-        listed = json.loads(path.read_text(encoding="utf-8")).get("files", [])
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {name for name in listed if name in FILES}
+    chosen = {} if result.config is None else {"clustered-attention.json": result.config.to_dict()}
+    return write_report(
+        folder,
+        TUNE_FILES,
+        result.to_dict(),
+        markdown(result),
+        plot=lambda path: plot(result, path),
+        extra={name: json.dumps(config, indent=2) + "\n" for name, config in chosen.items()},
+    )
 
 
 def load_config(path: str | Path) -> ClusteredAttentionConfig:

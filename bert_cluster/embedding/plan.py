@@ -1,0 +1,73 @@
+"""The work of an embed run, fixed before any model pass: token counts, shards and batches.
+
+Shards are runs of consecutive documents (``shard_size`` each, the last one shorter), so the output is in
+input order; inside a shard the documents are sorted by length (longest first, ties by position) and cut
+into batches whose padded size, rows x longest row, stays within the token budget. The plan depends on
+the documents and the settings only, never on the number of processes: a process runs whole shards,
+and every shard is embedded in the same batches whoever runs it, which is what makes a resumed or a
+multi-process output equal a one-process run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+#: Texts per tokenizer call while counting tokens (a fast tokenizer spreads a call over its threads).
+COUNT_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One output file's documents (positions in the corpus) and their batches (positions too)."""
+
+    index: int
+    documents: range
+    batches: tuple[tuple[int, ...], ...]
+
+    @property
+    def name(self) -> str:
+        """The shard's file name in the output folder."""
+        return f"shard-{self.index:05d}.parquet"
+
+
+def count_tokens(tokenizer: Any, texts: Sequence[str], lowercase: bool = False) -> list[int]:
+    """Each text's token count with special tokens and without truncation (truncation is reported)."""
+    counts: list[int] = []
+    for start in range(0, len(texts), COUNT_CHUNK):
+        chunk = list(texts[start : start + COUNT_CHUNK])
+        if lowercase:
+            chunk = [text.lower() for text in chunk]
+        # verbose=False: no "longer than the maximum" warning for the documents that will be truncated.
+        encoded = tokenizer(chunk, add_special_tokens=True, truncation=False, verbose=False)
+        counts.extend(len(ids) for ids in encoded["input_ids"])
+    return counts
+
+
+def batches_within(lengths: Sequence[int], positions: Sequence[int], budget: int) -> list[tuple[int, ...]]:
+    """``positions`` sorted longest first and cut so that rows x longest row <= ``budget``.
+
+    A document longer than the budget runs alone. ``lengths`` are the lengths the model sees (truncated).
+    """
+    order = sorted(positions, key=lambda position: (-lengths[position], position))
+    batches: list[tuple[int, ...]] = []
+    current: list[int] = []
+    for position in order:
+        # Longest first: the batch's first row sets its padded length.
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(tuple(current))
+            current = []
+        current.append(position)
+    if current:
+        batches.append(tuple(current))
+    return batches
+
+
+def make_plan(lengths: Sequence[int], shard_size: int, budget: int) -> list[Shard]:
+    """The shards of ``len(lengths)`` documents and their batches (see the module docstring)."""
+    shards = []
+    for index, start in enumerate(range(0, len(lengths), shard_size)):
+        documents = range(start, min(start + shard_size, len(lengths)))
+        shards.append(Shard(index, documents, tuple(batches_within(lengths, documents, budget))))
+    return shards

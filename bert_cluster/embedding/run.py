@@ -1,0 +1,424 @@
+"""``embed``: a corpus into parquet shards of sentence embeddings, resumable, in one or several processes.
+
+The model is a ``SentenceTransformer`` folder (its own Transformer, Pooling, Dense and Normalize modules)
+or a plain transformers folder (sentence-transformers then adds mean pooling; the manifest says so),
+converted with ``convert``'s defaults unless ``exact``. Every document is encoded by
+``SentenceTransformer.encode``, one planned batch at a time (``plan.py``), and written shard by shard
+(``store.py``). Under ``accelerate launch`` or ``torchrun`` process r runs shards r, r + P, ...; rank 0
+holds the output's lock and writes the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.embedding import store
+from bert_cluster.embedding.documents import Corpus, Problem, read_documents
+from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
+from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+
+DTYPES = ("float32", "bfloat16")
+#: Padded tokens per model pass (rows x longest row): 32 documents of 512 tokens.
+DEFAULT_TOKENS_PER_BATCH = 16384
+#: Documents per output shard (and per unit of resume).
+DEFAULT_SHARD_SIZE = 10000
+
+#: ``progress(documents_done, tokens_done, documents_total, tokens_total)`` for this process's share.
+Progress = Callable[[int, int, int, int], None]
+
+
+@dataclasses.dataclass
+class EmbedResult:
+    """What an embed run produced (also in ``OUT/manifest.json``)."""
+
+    output: Path
+    documents: int
+    truncated: int
+    problems: list[Problem]
+    shards: int
+    resumed_shards: int
+    dimension: int | None
+    seconds: float
+    documents_per_second: float | None
+    tokens_per_second: float | None
+    manifest: dict[str, Any]
+
+
+class EmbedInterrupted(Exception):
+    """Ctrl-C during a run: ``written`` shards of ``total`` are complete in ``output``; rerun to continue."""
+
+    def __init__(self, output: Path, written: int, total: int) -> None:
+        super().__init__(f"interrupted: {written} of {total} shards complete in {output}")
+        self.output, self.written, self.total = output, written, total
+
+
+def _attention_config(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
+) -> ClusteredAttentionConfig:
+    """A config as given, or ``convert``'s defaults with the settings of a mapping."""
+    if isinstance(attention, ClusteredAttentionConfig):
+        return attention
+    if attention is not None and not isinstance(attention, Mapping):
+        raise UserError(
+            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
+        )
+    try:
+        return ClusteredAttentionConfig.for_convert(**dict(attention or {}))
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
+
+
+@dataclasses.dataclass
+class _Encoder:
+    model: Any
+    path: str
+    modules: dict[str, Any]
+    positions: int | None
+
+
+def _model_files(path: str) -> dict[str, list[int]]:
+    """Size and modification time of each file of a local model folder (a resume checks them)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return {}
+    return {
+        str(file.relative_to(folder)): [file.stat().st_size, file.stat().st_mtime_ns]
+        for file in sorted(folder.rglob("*"))
+        if file.is_file() and ".cache" not in file.parts
+    }
+
+
+def _load(model: str | Path, device: str, dtype: str) -> _Encoder:
+    """The SentenceTransformer of ``model`` on ``device`` in ``dtype``, and what its modules do."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
+    from bert_cluster.evaluation.modeling import check_model_path, max_positions, quiet, resolve_model
+
+    path = check_model_path(resolve_model(str(model)))
+    try:
+        with quiet():
+            encoder = SentenceTransformer(path, device=device)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise UserError(f"cannot load model {model} ({path}): {one_line(error)}") from None
+    encoder.eval()
+    if dtype == "bfloat16":
+        encoder.to(torch.bfloat16)
+    names = [type(module).__name__ for module in encoder]
+    pooling = next((module for module in encoder if type(module).__name__ == "Pooling"), None)
+    plain = not (Path(path) / "modules.json").is_file()
+    modules = {
+        "modules": names,
+        "pooling": getattr(pooling, "pooling_mode", None),
+        "normalize": "Normalize" in names,
+        "dense": "Dense" in names,
+        "sentence_transformers_folder": not plain,
+    }
+    if plain:
+        modules["note"] = (
+            "a plain transformers folder (no modules.json): sentence-transformers added mean pooling"
+        )
+    return _Encoder(encoder, path, modules, max_positions(encoder[0].auto_model.config))
+
+
+def _check(
+    dtype: str, max_length: int | None, max_tokens_per_batch: int, shard_size: int, device: str
+) -> None:
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_length is not None:
+        positive_int("max_length", max_length)
+    positive_int("max_tokens_per_batch", max_tokens_per_batch)
+    positive_int("shard_size", shard_size)
+    if not isinstance(device, str) or not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
+def _shard_table(
+    shard: Shard, corpus: Corpus, counts: list[int], vectors: Any, max_length: int, key: str
+) -> Any:
+    import numpy as np
+    import pyarrow as pa
+
+    matrix = np.ascontiguousarray(vectors, dtype=np.float32)
+    tokens = [counts[position] for position in shard.documents]
+    table = pa.table(
+        {
+            "id": pa.array([corpus.documents[position].id for position in shard.documents], pa.string()),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]),
+            "tokens": pa.array(tokens, pa.int32()),
+            "truncated": pa.array([count > max_length for count in tokens], pa.bool_()),
+        }
+    )
+    return table.replace_schema_metadata({store.FINGERPRINT_KEY: key.encode()})
+
+
+def _encode_shard(encoder: Any, shard: Shard, corpus: Corpus, lengths: list[int], advance: Callable) -> Any:
+    """The shard's embeddings in document order: one ``encode`` call per planned batch."""
+    import numpy as np
+
+    rows: dict[int, Any] = {}
+    for batch in shard.batches:
+        texts = [corpus.documents[position].text for position in batch]
+        vectors = encoder.encode(
+            texts, batch_size=len(texts), convert_to_tensor=True, show_progress_bar=False
+        )
+        vectors = vectors.float().cpu().numpy()
+        rows.update(zip(batch, vectors, strict=True))
+        advance(len(batch), sum(lengths[position] for position in batch))
+    return np.stack([rows[position] for position in shard.documents])
+
+
+def embed(
+    model: str | Path,
+    input: str | Path,  # noqa: A002 - the CLI's INPUT
+    output: str | Path,
+    *,
+    text_field: str | None = None,
+    id_field: str | None = None,
+    json_field: str | None = None,
+    split: str | None = None,
+    exact: bool = False,
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+    max_length: int | None = None,
+    max_tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> EmbedResult:
+    """Embed every document of ``input`` with ``model`` into parquet shards in ``output``.
+
+    Args:
+        model: a SentenceTransformer or transformers folder, ``package:NAME``, or a hub id.
+        input: see ``bert_cluster.embedding.documents.read_documents`` (text_field, id_field, json_field
+            and split too).
+        output: the folder of ``shard-NNNNN.parquet`` (id, embedding, tokens, truncated) and
+            ``manifest.json``; an unfinished run of the same settings there is continued.
+        exact: keep the model's own attention (no ``convert``).
+        attention: clustered-attention settings over ``convert``'s defaults (a mapping), or a config.
+        dtype: float32 or bfloat16 (the embeddings are float32 either way).
+        max_length: truncation in tokens (default: the model's positions); truncated documents are counted.
+        max_tokens_per_batch: padded tokens (rows x longest row) per model pass.
+        shard_size: documents per shard.
+        device: cpu, cuda or cuda:N (launched processes on GPUs take one GPU each).
+        overwrite: replace an output folder of other settings (only an embed run's files are removed).
+        progress: called after each batch with this process's documents and tokens done and to do.
+
+    Raises:
+        UserError: a bad argument, an unreadable model or input, an output of other settings, or an
+            output another run is writing.
+        EmbedInterrupted: Ctrl-C; the shards written so far stay and the same call continues from them.
+    """
+    _check(dtype, max_length, max_tokens_per_batch, shard_size, device)
+    config = None if exact else _attention_config(attention)
+    output = Path(output).expanduser()
+    if output.exists() and not output.is_dir():
+        raise UserError(f"output {output} exists and is not a folder")
+
+    from bert_cluster.evaluation.parallel import Workers
+
+    workers = Workers(device)
+    corpus = read_documents(input, text_field, id_field, json_field, split)
+    encoder = _load(model, workers.device(device), dtype)
+    if max_length is None:
+        max_length = encoder.positions or encoder.model.max_seq_length
+    elif encoder.positions is not None and max_length > encoder.positions:
+        raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
+    encoder.model.max_seq_length = max_length
+    if config is not None:
+        import bert_cluster
+
+        bert_cluster.convert(encoder.model, config=config)
+    texts = [document.text for document in corpus.documents]
+    counts = count_tokens(
+        encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))
+    )
+    lengths = [min(count, max_length) for count in counts]
+    plan = make_plan(lengths, shard_size, max_tokens_per_batch)
+
+    import torch
+
+    settings = {
+        "layout": store.LAYOUT_VERSION,
+        "model": {"path": encoder.path, "files": _model_files(encoder.path)},
+        "input": {
+            "source": corpus.source,
+            "content_sha256": corpus.fingerprint,
+            "documents": len(corpus.documents),
+            "problems": len(corpus.problems),
+            "text_field": text_field,
+            "id_field": id_field,
+            "json_field": json_field,
+            "split": split,
+        },
+        "exact": exact,
+        "attention": None if config is None else config.to_dict(),
+        "dtype": dtype,
+        "max_length": max_length,
+        "max_tokens_per_batch": max_tokens_per_batch,
+        "shard_size": shard_size,
+        "device": torch.device(device).type,
+        "versions": _versions(),
+    }
+    with contextlib.ExitStack() as held:
+        failure = None
+        if workers.is_main:
+            try:
+                held.enter_context(store.locked(output))
+                store.prepare(output, settings, overwrite)
+            except UserError as error:
+                failure = str(error)
+        # Rank 0's settings are the run's (a model copied to another machine has other file times).
+        views = workers.gather([(failure, corpus.fingerprint, settings)])
+        failures = [view[0] for view in views if view[0]]
+        if failures:
+            raise UserError(failures[0])
+        if len({view[1] for view in views}) > 1:
+            raise UserError("the processes read different documents from the input: give every one the same")
+        settings = views[0][2]
+        key = store.fingerprint(settings)
+        done = store.complete_shards(output, key)
+        mine = [shard for shard in plan[workers.rank :: workers.count] if shard.name not in done]
+        began = time.perf_counter()
+        measured = _run_shards(
+            encoder.model, mine, corpus, counts, lengths, max_length, key, output, progress
+        )
+        seconds = time.perf_counter() - began
+        parts = workers.gather([(seconds, *measured)])
+        if workers.state is not None:
+            workers.state.wait_for_everyone()
+        result = _finish(
+            workers.is_main, output, plan, corpus, counts, max_length, settings, encoder, parts, done
+        )
+    return result
+
+
+def _versions() -> dict[str, str | None]:
+    from bert_cluster import environment
+
+    names = ("torch", "transformers", "sentence-transformers", "bert-cluster")
+    return {name: environment.package_version(name) for name in names}
+
+
+def _run_shards(
+    model: Any,
+    shards: list[Shard],
+    corpus: Corpus,
+    counts: list[int],
+    lengths: list[int],
+    max_length: int,
+    key: str,
+    output: Path,
+    progress: Progress | None,
+) -> tuple[int, int]:
+    """Encode and write ``shards``; returns the documents and tokens embedded."""
+    import torch
+
+    total_documents = sum(len(shard.documents) for shard in shards)
+    total_tokens = sum(lengths[position] for shard in shards for position in shard.documents)
+    documents = tokens = 0
+
+    def advance(batch_documents: int, batch_tokens: int) -> None:
+        nonlocal documents, tokens
+        documents += batch_documents
+        tokens += batch_tokens
+        if progress is not None:
+            progress(documents, tokens, total_documents, total_tokens)
+
+    if progress is not None:
+        progress(0, 0, total_documents, total_tokens)
+    written = 0
+    try:
+        with torch.inference_mode():
+            for shard in shards:
+                vectors = _encode_shard(model, shard, corpus, lengths, advance)
+                store.write_shard(
+                    output, shard.name, _shard_table(shard, corpus, counts, vectors, max_length, key)
+                )
+                written += 1
+    except KeyboardInterrupt:
+        complete = len(store.complete_shards(output, key))
+        raise EmbedInterrupted(output, complete, len(shards) + complete - written) from None
+    return documents, tokens
+
+
+def _finish(
+    is_main: bool,
+    output: Path,
+    plan: list[Shard],
+    corpus: Corpus,
+    counts: list[int],
+    max_length: int,
+    settings: dict[str, Any],
+    encoder: Any,
+    parts: list[tuple[float, int, int]],
+    resumed: set[str],
+) -> EmbedResult:
+    """The result on every process; rank 0 writes the manifest, after every shard is on disk."""
+    from bert_cluster.evaluation.report import environment
+
+    seconds = max((part[0] for part in parts), default=0.0)
+    documents = sum(part[1] for part in parts)
+    tokens = sum(part[2] for part in parts)
+    truncated = sum(count > max_length for count in counts)
+    dimension = encoder.model.get_embedding_dimension()
+    manifest_file = output / store.MANIFEST
+    rate = (lambda amount: amount / seconds) if documents and seconds > 0 else (lambda amount: None)
+    manifest = {
+        "fingerprint": store.fingerprint(settings),
+        "model": {"path": encoder.path, **encoder.modules, "positions": encoder.positions},
+        "settings": {key: value for key, value in settings.items() if key not in ("model", "versions")},
+        "environment": environment(settings["device"], len(parts)) if is_main else {},
+        "versions": settings["versions"],
+        "processes": len(parts),
+        "dimension": dimension,
+        "counts": {
+            "documents": len(corpus.documents) + len(corpus.problems),
+            "embedded": len(corpus.documents),
+            "truncated": truncated,
+            "problems": len(corpus.problems),
+        },
+        "problems": [problem.to_dict() for problem in corpus.problems],
+        "shards": [shard.name for shard in plan],
+        "this_run": {
+            "shards_written": len(plan) - len(resumed),
+            "shards_resumed": len(resumed),
+            "documents": documents,
+            "tokens": tokens,
+            "seconds": seconds,
+            "documents_per_second": rate(documents),
+            "tokens_per_second": rate(tokens),
+        },
+    }
+    if is_main:
+        if manifest_file.is_file() and len(resumed) == len(plan):
+            with contextlib.suppress(OSError, ValueError):
+                import json
+
+                earlier = json.loads(manifest_file.read_text(encoding="utf-8"))
+                if earlier.get("fingerprint") == manifest["fingerprint"]:
+                    manifest = earlier  # already complete: keep the run that did the work
+        store.write_json(manifest_file, manifest)
+    run = manifest["this_run"]
+    return EmbedResult(
+        output=output,
+        documents=len(corpus.documents),
+        truncated=truncated,
+        problems=list(corpus.problems),
+        shards=len(plan),
+        resumed_shards=len(resumed),
+        dimension=dimension,
+        seconds=run["seconds"],
+        documents_per_second=run["documents_per_second"],
+        tokens_per_second=run["tokens_per_second"],
+        manifest=manifest,
+    )

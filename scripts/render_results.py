@@ -1,0 +1,963 @@
+"""Render every table of the README and docs/ from the results files that measured it.
+
+A table lives in a document between two markers::
+
+    <!-- table: speed-zen5 -->
+    ...generated Markdown...
+    <!-- /table -->
+
+`TABLES` says, for each name, which results files (under docs/results/) it is made from, the command that
+made them, which documents show it, and the function that renders it. `python scripts/render_results.py`
+rewrites every marked region; `--check` rewrites nothing and exits 1, listing the stale regions, when a
+committed table differs from its rendering (tests/test_render_results.py runs it), so a figure cannot
+drift from its measurement. docs/results/README.md's index of the kept files is rendered the same way.
+
+Usage::
+
+    python scripts/render_results.py            # rewrite the tables
+    python scripts/render_results.py --check    # exit 1 if a table is stale, naming it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "docs/results"
+MARKER = re.compile(r"<!-- table: (?P<name>[a-z0-9-]+) -->\n(?P<body>.*?)<!-- /table -->", re.DOTALL)
+
+#: The method names of scripts/bench_attention.py and their column headings.
+METHODS = {
+    "kernel-i-clustered": "i-clustered",
+    "kernel-i-clustered+": "i-clustered+",
+    "kernel-clustered": "clustered",
+}
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Table:
+    """One rendered table: its results files, the command that made them, and where it is shown."""
+
+    name: str
+    sources: tuple[str, ...]  # paths under docs/results/
+    documents: tuple[str, ...]  # paths from the repository root
+    command: str
+    render: Callable[[list[dict]], list[str]]  # the loaded sources, in order -> Markdown lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def ms(value: float) -> str:
+    """A time in milliseconds at about three significant digits."""
+    if value >= 1000:
+        return f"{value:,.0f}"
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def times(value: float) -> str:
+    """A speed ratio: two decimals below 10, one above."""
+    return f"{value:.2f}×" if value < 10 else f"{value:.1f}×"
+
+
+def signed(value: float) -> str:
+    return f"{value:+.2f}"
+
+
+def tokens(n: int) -> str:
+    return f"{n:,}"
+
+
+def mean_std(values: Sequence[float]) -> str:
+    """Mean ± sample std of a change in points (the std only with two or more values)."""
+    if len(values) < 2:
+        return signed(values[0])
+    return f"{signed(statistics.mean(values))} ± {statistics.stdev(values):.2f}"
+
+
+def table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table; align holds 'l' or 'r' per column."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def runs(count: int) -> str:
+    return "one run" if count == 1 else f"{count} runs"
+
+
+def joined(values: Sequence[str]) -> str:
+    return " / ".join(values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/bench_attention.py
+
+
+def attention_row(result: dict, n: int, method: str) -> dict | None:
+    return next((r for r in result["rows"] if r["n"] == n and r["method"] == method), None)
+
+
+def machine_line(result: dict) -> str:
+    """CPU, kernel library (ISA) and torch's own CPU capability, as the run recorded them."""
+    processor = result["machine"].get("processor", "?")
+    isa = result["kernels"].get("kernels_cpu_isa", "one library (before the per-ISA builds)")
+    capability = result.get("torch_cpu_capability")
+    parts = [processor, f"kernels {isa}"]
+    if capability:
+        parts.append(f"torch {capability}")
+    return ", ".join(parts)
+
+
+def attention_caption(results: Sequence[dict]) -> str:
+    first = results[0]
+    shape = first["shape"]
+    rows = f"{shape['rows']} padded rows of mixed lengths" if shape["mixed_lengths"] else "1 row"
+    dates = sorted({r["date"][:10] for r in results})
+    return (
+        f"{machine_line(first)}; {first['machine']['threads']} threads; {rows}, {shape['heads']} heads × "
+        f"{shape['head_dim']}; {first['timing']}; {runs(len(results))} of {', '.join(dates)}."
+    )
+
+
+def attention_table(methods: Sequence[str], by_dtype: bool = True, with_settings: bool = False):
+    """N (and dtype) per row, SDPA's and each method's median ms per run, "a / b" over runs."""
+
+    def render(results: list[dict]) -> list[str]:
+        groups: dict[str, list[dict]] = {}
+        for result in results:
+            groups.setdefault(DTYPES[result["shape"]["dtype"]], []).append(result)
+        header = ["N"] + (["dtype"] if by_dtype else []) + (["C, k"] if with_settings else [])
+        header += ["SDPA ms"] + [f"{METHODS[m]} ms (× SDPA)" for m in methods]
+        rows = []
+        for dtype, runs in groups.items():
+            for n in sorted({r["n"] for r in runs[0]["rows"]}):
+                row = [tokens(n)] + ([dtype] if by_dtype else [])
+                if with_settings:
+                    clusters, topk = attention_row(runs[0], n, methods[0])["clusters_topk"]
+                    row.append(f"{clusters}, {topk}")
+                row.append(joined([ms(attention_row(r, n, "sdpa")["median_ms"]) for r in runs]))
+                for method in methods:
+                    found = [attention_row(r, n, method) for r in runs]
+                    if any(f is None for f in found):
+                        row.append("")
+                        continue
+                    row.append(
+                        f"{joined([ms(f['median_ms']) for f in found])} "
+                        f"({joined([times(f['speedup_vs_sdpa']) for f in found])})"
+                    )
+                rows.append(row)
+        align = ["r"] + (["l"] if by_dtype else []) + (["r"] if with_settings else [])
+        align += ["r"] * (1 + len(methods))
+        return table(header, align, rows) + ["", attention_caption(results)]
+
+    return render
+
+
+def cost_table(results: list[dict]) -> list[str]:
+    """i-clustered+ against i-clustered, back to back (bench_attention's cost_vs_i_clustered)."""
+    (result,) = results
+    rows = []
+    for n in sorted({r["n"] for r in result["rows"]}):
+        sdpa, plain, plus = (
+            attention_row(result, n, m) for m in ("sdpa", "kernel-i-clustered", "kernel-i-clustered+")
+        )
+        rows.append(
+            [
+                tokens(n),
+                ms(sdpa["median_ms"]),
+                ms(plain["median_ms"]),
+                ms(plus["median_ms"]),
+                f"**{plus['cost_vs_i_clustered']:.2f}**",
+            ]
+        )
+    header = [
+        "N",
+        "SDPA ms",
+        "i-clustered ms",
+        "i-clustered+ ms",
+        "i-clustered+ / i-clustered (target ≤ 1.2)",
+    ]
+    return table(header, "rrrrr", rows) + ["", attention_caption(results)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/bench_model.py
+
+
+def model_table(results: list[dict]) -> list[str]:
+    (result,) = results
+    variants = [v for v in dict.fromkeys(r["variant"] for r in result["rows"]) if v != "sdpa"]
+    names = {
+        "auto": "**`auto`** (convert's default)",
+        "i-clustered": "i-clustered, `min_length=0`",
+        "clustered": "clustered, `min_length=0`",
+    }
+    rows = []
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        for n in sorted({r["tokens"] for r in result["rows"]}):
+            found = {r["variant"]: r for r in result["rows"] if r["batch"] == batch and r["tokens"] == n}
+            rows.append(
+                [f"{batch} × {n}", ms(found["sdpa"]["median_ms"])]
+                + [times(found[v]["speedup_vs_sdpa"]) for v in variants]
+            )
+    header = ["batch × tokens", "SDPA ms"] + [f"{names.get(v, v)} × SDPA" for v in variants]
+    crossovers = sorted(set(result.get("auto_crossovers", {}).values()))
+    caption = (
+        f"all-MiniLM-L6-v2, {result['threads']} threads, kernels {result.get('kernels_cpu_isa', '?')}, torch "
+        f"{result.get('torch_cpu_capability', '?')}; {result['timing']}; `auto` measured its crossover at "
+        f"{', '.join(map(str, crossovers))} tokens; {result['date'][:10]}."
+    )
+    return table(header, "l" + "r" * (len(header) - 1), rows) + ["", caption]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/bench_long_context.py
+
+
+def long_context_table(results: list[dict]) -> list[str]:
+    """Time rows from the timing runs, memory from the memory runs (results: timing files, then memory)."""
+    half = len(results) // 2
+    timed = {(r["model"], r["length"]): r for res in results[:half] for r in res["rows"]}
+    memory = {(r["model"], r["length"]): r for res in results[half:] for r in res["rows"]}
+    rows = []
+    for key, row in timed.items():
+        mem = memory.get(key, {})
+        target = f" (≥ {row['target_speedup']:.1f}×)" if "target_speedup" in row else ""
+        speedup = f"**{times(row['speedup'])}**{target}" if target else times(row["speedup"])
+        tensor = f"{mem['sdpa_tensor_peak_mib']:,.1f} / {mem['patched_tensor_peak_mib']:,.1f}" if mem else ""
+        resident = f"{mem['sdpa_extra_mib']:,.0f} / {mem['patched_extra_mib']:,.0f}" if mem else ""
+        rows.append(
+            [
+                key[0],
+                tokens(key[1]),
+                f"{row['sdpa_s']:.2f}",
+                f"{row['patched_s']:.2f}",
+                speedup,
+                f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                tensor,
+                resident,
+            ]
+        )
+    header = [
+        "model",
+        "tokens",
+        "SDPA s/doc",
+        "patched s/doc",
+        "speedup (target)",
+        "cosine mean / min",
+        "tensor peak MiB SDPA / patched",
+        "resident MiB SDPA / patched",
+    ]
+    env = results[0]["environment"]
+    dates = sorted({res["environment"]["date"][:10] for res in results})
+    commits = sorted({res["environment"]["git"][:7] for res in results})
+    caption = (
+        f"{env['threads']} threads, one process per model and length, convert's defaults; "
+        f"torch {env['torch']}; runs of {', '.join(dates)} (commits {', '.join(commits)})."
+    )
+    return table(header, "lrrrrlrr", rows) + ["", caption]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/bench_peers.py (bert-cluster against ONNX Runtime, OpenVINO and torch, whole model)
+
+PEER_METHODS = ("torch", "onnx", "openvino", "bert-cluster", "bert-cluster-bf16")
+
+
+def peers_table(results: list[dict]) -> list[str]:
+    """Documents/s per method (failed cells say so), bert-cluster over the fastest peer, cosines, memory."""
+    report = results[0]
+    rows = []
+    for model, lengths in report["results"].items():
+        for length, cells in lengths.items():
+            ratio = report["ratios"].get(model, {}).get("bert-cluster", {}).get(length, {})
+            speeds = [
+                f"{cells[m]['docs_per_s']:.3g}"
+                if cells.get(m, {}).get("docs_per_s")
+                else ("failed" if m in cells else "–")
+                for m in PEER_METHODS
+            ]
+            cosines = [
+                f"{cells[m]['cosine_min']:.3f}" if "cosine_min" in cells.get(m, {}) else "–"
+                for m in PEER_METHODS[3:]
+            ]
+            peaks = [
+                f"{cells[m]['forward_extra_mib']:,.0f}" if cells.get(m, {}).get("docs_per_s") else "–"
+                for m in PEER_METHODS
+            ]
+            fastest = (
+                f"{times(ratio['vs_fastest'])} ({ratio['fastest_peer']})" if "vs_fastest" in ratio else "–"
+            )
+            rows.append([model, tokens(int(length)), *speeds, fastest, joined(cosines), joined(peaks)])
+    header = [
+        "model",
+        "tokens",
+        *PEER_METHODS,
+        "bert-cluster vs fastest peer",
+        "min cosine (fp32 / bf16)",
+        "forward's peak MiB (same order)",
+    ]
+    versions = report["versions"].get("peers", {})
+    loads = report["load_average_before"], report["load_average_after"]
+    caption = (
+        f"Documents/s, batch 1, {report['threads']} threads, {report['documents']} documents × "
+        f"{report['repeats']} repeats (median), one capped process per cell; {report['machine']['cpu']}, "
+        "load average (1 min) "
+        f"{loads[0][0]:.1f} before, {loads[1][0]:.1f} after; ONNX Runtime {versions.get('onnxruntime', '?')} "
+        f"(level {report['onnx_level']}), OpenVINO {versions.get('openvino', '?')} (f32); "
+        f"run of {report['machine']['date'][:10]}."
+    )
+    return table(header, "lr" + "r" * (len(header) - 2), rows) + ["", caption + PEERS_CAPTION]
+
+
+PEERS_CAPTION = (
+    " Forward's peak: the resident set one forward adds (VmHWM reset before it); a failed cell's error,"
+    " and each process's own peak, are in the results file."
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scripts/fidelity_runs.py (SQuAD, whole held-out half)
+
+
+def lloyd_rounds(clusters: int) -> int:
+    """i-clustered+'s rounds at C since 0.2: ceil(25 / C), at most 3 (attention.plus_lloyd_rounds)."""
+    return min(3, -(-25 // clusters))
+
+
+def squad_rows(specs: Sequence[tuple[int, str, int, int | None, int | None]]):
+    """specs: (source index, mode, C, the runs' recorded lloyd_rounds or None, the rounds they ran)."""
+
+    def render(results: list[dict]) -> list[str]:
+        base = results[0]["unmodified"]["scores"]
+        rows = []
+        for index, mode, clusters, recorded, rounds in specs:
+            runs = [
+                r
+                for r in results[index]["runs"]
+                if r["mode"] == mode and r["clusters"] == clusters and r.get("lloyd_rounds") == recorded
+            ]
+            em = [r["scores"]["exact"] for r in runs]
+            f1 = [r["scores"]["f1"] for r in runs]
+            default = mode == "i-clustered+" and rounds == lloyd_rounds(clusters)
+            name = f"**{mode}** (default)" if default else mode
+            f1_change = mean_std([v - base["f1"] for v in f1])
+            rows.append(
+                [
+                    name,
+                    str(clusters),
+                    "–" if rounds is None else str(rounds),
+                    ", ".join(str(r["seed"]) for r in runs),
+                    f"{statistics.mean(em):.2f}",
+                    f"{statistics.mean(f1):.2f}",
+                    mean_std([v - base["exact"] for v in em]),
+                    f"**{f1_change}**" if default else f1_change,
+                ]
+            )
+        header = ["mode", "C", "Lloyd rounds", "seeds", "EM", "F1", "EM change", "F1 change"]
+        caption = (
+            f"{results[0]['examples']:,} questions, k = {results[0]['topk']}, `min_length=0`; unmodified EM "
+            f"{base['exact']:.2f}, F1 {base['f1']:.2f}; mean ± sample std over the seeds."
+        )
+        return table(header, "lrrlrrrr", rows) + ["", caption]
+
+    return render
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bert-cluster evaluate (results.json)
+
+
+def task_runs(result: dict, task: str) -> list[dict]:
+    return next(t for t in result["tasks"] if t["task"] == task)["runs"]
+
+
+def metric_names(result: dict, task: str) -> list[tuple[str, str]]:
+    entry = next(t for t in result["tasks"] if t["task"] == task)
+    return [(m["name"], m["display"]) for m in entry["metrics"]]
+
+
+def evaluate_columns(
+    tasks: Sequence[str], columns: Sequence[tuple[str, int, str, int]], skip: Sequence[tuple[int, str]] = ()
+):
+    """Unmodified and one column per (heading, source index, mode, C), one seed; the change in brackets.
+
+    skip: (source index, task) pairs whose runs are superseded by another column's.
+    """
+
+    def shown(results: list[dict], index: int, task: str) -> bool:
+        return (index, task) not in skip and any(t["task"] == task for t in results[index]["tasks"])
+
+    def render(results: list[dict]) -> list[str]:
+        rows = []
+        for task in tasks:
+            owner = next(r for r in results if any(t["task"] == task for t in r["tasks"]))
+            unmodified = task_runs(owner, task)[0]["scores"]
+            for metric, display in metric_names(owner, task):
+                row = [task, display, f"{unmodified[metric]:.2f}"]
+                for _, index, mode, clusters in columns:
+                    if not shown(results, index, task):
+                        row.append("")
+                        continue
+                    run = next(
+                        r
+                        for r in task_runs(results[index], task)
+                        if r["mode"] == mode and r["clusters"] == clusters
+                    )
+                    value = run["scores"][metric]
+                    row.append(f"{value:.2f} ({value - unmodified[metric]:+.2f})")
+                rows.append(row)
+        speed = ["", "speedup", "1.00×"]
+        for _, index, mode, clusters in columns:
+            found = [
+                f"{task} {times(run['speedup'])}"
+                for task in tasks
+                if shown(results, index, task)
+                for run in task_runs(results[index], task)
+                if run["mode"] == mode and run["clusters"] == clusters
+            ]
+            speed.append(", ".join(found))
+        rows.append(speed)
+        header = ["task", "metric", "unmodified"] + [c[0] for c in columns]
+        cpus = sorted({r["environment"]["hardware"]["cpu"] for r in results})
+        dates = sorted({r["started"][:10] for r in results})
+        threads = results[0]["environment"]["hardware"]["torch_threads"]
+        caption = f"{'; '.join(cpus)}, {threads} threads; runs of {', '.join(dates)}."
+        return table(header, "llr" + "r" * len(columns), rows) + ["", caption]
+
+    return render
+
+
+def seeds_table(results: list[dict]) -> list[str]:
+    """i-clustered across C with three seeds (0.1's runs): mean ± std (change)."""
+    rows = []
+    for result in results:
+        for entry in result["tasks"]:
+            runs = entry["runs"]
+            unmodified = runs[0]["scores"]
+            settings = sorted({r["clusters"] for r in runs[1:]})
+            for metric, display in ((m["name"], m["display"]) for m in entry["metrics"]):
+                row = [entry["task"], display, f"{unmodified[metric]:.2f}"]
+                for clusters in settings:
+                    values = [r["scores"][metric] for r in runs[1:] if r["clusters"] == clusters]
+                    mean = statistics.mean(values)
+                    row.append(
+                        f"{mean:.2f} ± {statistics.stdev(values):.2f} ({mean - unmodified[metric]:+.2f})"
+                    )
+                rows.append(row)
+    header = ["task", "metric", "unmodified"] + [f"C={c}" for c in settings]
+    seeds = sorted({r["seed"] for res in results for t in res["tasks"] for r in t["runs"][1:]})
+    caption = (
+        f"mode i-clustered (0.1), k = {results[0]['settings']['attention']['topk']}, seeds "
+        f"{', '.join(map(str, seeds))} (mean ± sample std, the change in brackets); "
+        f"{results[0]['environment']['hardware']['cpu']}; {results[0]['started'][:10]}."
+    )
+    return table(header, "llr" + "r" * len(settings), rows) + ["", caption]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Other scripts' JSON
+
+
+#: articles_8k.json's run names from before 0.2's growth was chosen (its "default" was a candidate then).
+ARTICLE_SETTINGS = {
+    "default (i-clustered+, cg 0.5, kg 0.25)": "i-clustered+, growth 0.5 / 0.25",
+    "i-clustered, cg 0.75, kg 0.5 (former default)": "i-clustered, growth 0.75 / 0.5 (0.1's default)",
+    "i-clustered+, cg 0.5, kg 0.5": "**i-clustered+, growth 0.5 / 0.5 (0.2's default)**",
+}
+
+
+def articles_table(results: list[dict]) -> list[str]:
+    (result,) = results
+    rows = []
+    base = result["runs"]["unmodified"]["scores"]
+    for label, run in result["runs"].items():
+        scores = run["scores"]
+        change = "" if label == "unmodified" else f"{scores['recall@1'] - base['recall@1']:+.2f}"
+        rows.append(
+            [
+                ARTICLE_SETTINGS.get(label, label),
+                f"{scores['recall@1']:.2f}",
+                f"{scores['recall@5']:.2f}",
+                f"{scores['mrr@10']:.2f}",
+                change,
+            ]
+        )
+    caption = (
+        f"{result['model']}, {result['limit']:,} questions, documents truncated at "
+        f"{result['max_length']:,} tokens; {result['note']}."
+    )
+    return table(["setting", "R@1", "R@5", "MRR@10", "R@1 change"], "lrrrr", rows) + ["", caption]
+
+
+#: bench_length_scaling.py's setting names when those runs were made ("default" was 0.1's).
+LENGTH_SETTINGS = {
+    "default": "i-clustered, growth 0.75 / 0.5 (0.1's default)",
+    "i-clustered+": "i-clustered+ at 0.1's C and k",
+    "i-clustered+ cg=0.5": "**i-clustered+, growth 0.5 / 0.5 (0.2's default)**",
+    "i-clustered+ cg=0.25": "i-clustered+, growth 0.25 / 0.5",
+    "i-clustered+ cg=0.5 kg=0.25": "i-clustered+, growth 0.5 / 0.25",
+}
+
+
+def length_scaling_table(results: list[dict]) -> list[str]:
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            if row["setting"] == "sdpa":
+                continue
+            rows.append(
+                [
+                    tokens(row["tokens"]),
+                    LENGTH_SETTINGS.get(row["setting"], row["setting"]),
+                    str(row["clusters"]),
+                    str(row["topk"]),
+                    f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                    times(row["speedup_median_of_ratios"]),
+                ]
+            )
+    caption = f"{results[0]['threads']} thread(s); {results[0]['timing']}; {results[0]['date'][:10]}."
+    return table(["N", "setting", "C", "k", "cosine mean / min", "× SDPA"], "llrrlr", rows) + ["", caption]
+
+
+def screen_table(results: list[dict]) -> list[str]:
+    (result,) = results
+    candidates = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+    clusters = sorted({r["clusters"] for r in result["rows"]})
+    rows = []
+    for candidate in candidates:
+        found = {r["clusters"]: r for r in result["rows"] if r["candidate"] == candidate}
+        keys = sorted({f"{found[c]['mean_keys_per_cluster']:.0f}" for c in clusters if c in found})
+        rows.append(
+            [candidate]
+            + [signed(found[c]["f1_change"]) if c in found else "" for c in clusters]
+            + ["-".join(keys)]
+        )
+    header = ["candidate"] + [f"F1 change C = {c}" for c in clusters] + ["keys per cluster"]
+    caption = (
+        f"first {result['questions']:,} held-out questions, seed {result['seed']}, k = {result['topk']}; "
+        "unmodified "
+        f"F1 {result['unmodified']['f1']:.2f}, EM {result['unmodified']['exact']:.2f}."
+    )
+    return table(header, "l" + "r" * (len(header) - 1), rows) + ["", caption]
+
+
+def inspect_table(results: list[dict]) -> list[str]:
+    header = ["layer"]
+    for result in results:
+        header += [f"{result['config']['mode']}: rel. error (worst head)", "top-k mass"]
+    rows = []
+    for index in range(len(results[0]["layers"])):
+        row = [str(results[0]["layers"][index]["layer"])]
+        for result in results:
+            layer = result["layers"][index]
+            row += [
+                f"{layer['relative_error']:.3f} ({layer['worst_head_error']:.3f})",
+                f"{layer['topk_mass']:.3f}",
+            ]
+        rows.append(row)
+    suggested = "; ".join(f"{r['config']['mode']}: {r['suggested_layers'] or 'none'}" for r in results)
+    caption = (
+        f"{results[0]['sequences']} sequences, {results[0]['tokens']:,} tokens, "
+        f"C = {results[0]['config']['clusters']}; "
+        f"suggested `layers=` at a budget of {results[0]['max_error']} per layer: {suggested}."
+    )
+    return table(header, "r" * len(header), rows) + ["", caption]
+
+
+def tune_table(results: list[dict]) -> list[str]:
+    (result,) = results
+    (metric,) = result["metrics"]
+    chosen = result["chosen"]
+    rows = [
+        [
+            "",
+            f"unmodified: {metric['display']} {result['unmodified']['scores'][metric['name']]:.2f}",
+            "-",
+            "0.00",
+            "1.00×",
+            "1.00",
+            "reference",
+        ]
+    ]
+    for number, candidate in enumerate(result["candidates"], start=1):
+        verdict = candidate["status"] + (" ← chosen" if number - 1 == chosen else "")
+        rows.append(
+            [
+                str(number),
+                candidate["label"],
+                candidate["stage"],
+                signed(candidate["changes"][metric["name"]]),
+                times(candidate["speedup"]),
+                f"{candidate['cost']:.2f}",
+                verdict,
+            ]
+        )
+    header = ["#", "candidate", "stage", f"Δ {metric['display']}", "speedup", "cost", "verdict"]
+    caption = (
+        f"{result['examples']} examples (mean length {result['mean_length']:.0f} tokens), "
+        f"budget {result['budget']} points, cost `{result['cost']}`."
+    )
+    return table(header, "rllrrrl", rows) + ["", caption]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The registry
+
+README = "README.md"
+BENCHMARKS = "docs/benchmarks.md"
+FIDELITY = "docs/fidelity.md"
+USAGE = "docs/usage.md"
+
+BENCH = "python scripts/bench_attention.py --threads 2"
+THREE = "--methods sdpa kernel-i-clustered kernel-i-clustered+"
+SQUAD_HALF = (
+    "python scripts/fidelity_runs.py /tmp/bc-models/minilm-l6-squad --task squad "
+    "--data-dir ../shared/models/minilm-l6-squad/eval --runs MODE:C:SEED ... --output FILE"
+)
+
+TABLES: tuple[Table, ...] = (
+    Table(
+        "speed-zen5",
+        (
+            "bench_attention_zen5/targets_fp32_1.json",
+            "bench_attention_zen5/targets_fp32_2.json",
+            "bench_attention_zen5/targets_bf16_1.json",
+            "bench_attention_zen5/targets_bf16_2.json",
+        ),
+        (README, BENCHMARKS),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 40 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "speed-zen5-mixed",
+        ("bench_attention_zen5/mixed_fp32.json", "bench_attention_zen5/mixed_bf16.json"),
+        (BENCHMARKS,),
+        f"{BENCH} --mixed --lengths 128 512 2048 {THREE} "
+        "--order blocked --repeats 7 --no-memory --dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "speed-zen5-long",
+        ("bench_attention_zen5/long_fp32.json",),
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 8192 16384 32768 {THREE} --order blocked --repeats 3 --no-memory --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+    ),
+    Table(
+        "model-zen5",
+        ("bench_model_zen5.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_model.py --threads 2 --repeats 7 --lengths 64 128 256 384 512 --batches 1 8 "
+        "--variants sdpa auto i-clustered --output FILE",
+        model_table,
+    ),
+    Table(
+        "speed-xeon",
+        ("bench_attention_targets/overheads_final_1.json", "bench_attention_targets/overheads_final_2.json"),
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 40 --no-memory --output FILE (two runs)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+    ),
+    Table(
+        "speed-xeon-bf16",
+        ("bench_attention_bf16.json",),
+        (BENCHMARKS,),
+        f"{BENCH} --dtype bf16 --lengths 128 512 4096 {THREE} "
+        "--order blocked --repeats 5 --no-memory --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+    ),
+    Table(
+        "speed-xeon-avx2",
+        ("bench_attention_avx2/short_v3_after_1.json", "bench_attention_avx2/short_v3_after_2.json"),
+        (BENCHMARKS,),
+        "BERT_CLUSTER_CPU_ISA=x86_64_v3 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 "
+        f"{BENCH} --lengths 128 512 --methods sdpa kernel-i-clustered kernel-i-clustered+ --order blocked "
+        "--repeats 40 --no-memory --output FILE (two runs)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+    ),
+    Table(
+        "speed-xeon-avx2-growth",
+        (
+            "bench_attention_avx2/plus_growth_v3_after_1.json",
+            "bench_attention_avx2/plus_growth_v3_after_2.json",
+        ),
+        (BENCHMARKS,),
+        "BERT_CLUSTER_CPU_ISA=x86_64_v3 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 "
+        f"{BENCH} --growth --head-dim 32 --lengths 512 4096 8192 --methods sdpa kernel-i-clustered+ "
+        "--order blocked --repeats 11 --no-memory --output FILE (two runs)",
+        attention_table(["kernel-i-clustered+"], by_dtype=False, with_settings=True),
+    ),
+    Table(
+        "long-documents",
+        (
+            "long_context/long_minilm.json",
+            "long_context/long_random_8k_time.json",
+            "long_context/long_minilm_memory.json",
+            "long_context/long_random_8k_memory.json",
+        ),
+        (README, BENCHMARKS),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --minilm-16k OUT/minilm-l6-16k "
+        "--repeats 2 --documents 2; --models modernbert-base xlmr-large-8k --lengths 8192 --repeats 1 "
+        "--no-memory; "
+        "the same with --no-time --memory-forwards 1 (memory)",
+        long_context_table,
+    ),
+    Table(
+        "peers",
+        ("peers/bench_peers.json",),
+        (README,),
+        "python scripts/bench_peers.py --documents 2 --repeats 2 --memory-cap-gib 10",
+        peers_table,
+    ),
+    Table(
+        "fidelity-squad",
+        ("fidelity_squad_rounds.json", "fidelity_squad_half.json"),
+        (README, FIDELITY),
+        SQUAD_HALF,
+        squad_rows(
+            [
+                (1, "i-clustered", 10, None, None),
+                (1, "i-clustered+", 10, None, 3),
+                (0, "i-clustered+", 25, 1, 1),
+                (1, "i-clustered", 50, None, None),
+                (0, "i-clustered+", 50, 1, 1),
+                (0, "i-clustered+", 100, 1, 1),
+            ]
+        ),
+    ),
+    Table(
+        "fidelity-rounds",
+        ("fidelity_squad_rounds.json", "fidelity_squad_half.json"),
+        (FIDELITY,),
+        SQUAD_HALF + " (the rounds patched in)",
+        squad_rows(
+            [
+                (0, "i-clustered+", 10, 1, 1),
+                (0, "i-clustered+", 10, 2, 2),
+                (1, "i-clustered+", 10, None, 3),
+                (0, "i-clustered+", 25, 1, 1),
+                (1, "i-clustered+", 25, None, 3),
+                (1, "i-clustered+", 50, None, 3),
+                (1, "i-clustered+", 100, None, 3),
+            ]
+        ),
+    ),
+    Table(
+        "fidelity-glue25",
+        ("fidelity_glue25/results.json", "fidelity_glue25_default/results.json"),
+        (FIDELITY,),
+        'bert-cluster evaluate "/tmp/bc-models/minilm-l6-{task}" --task rte,mrpc,stsb,sst2 -c 25 --mode '
+        "i-clustered+ --seeds 1 --data-dir ../shared/data -o DIR (and --mode i-clustered --mode i-clustered+ "
+        "on the code before 0.2's rounds rule)",
+        evaluate_columns(
+            ["rte", "mrpc", "stsb", "sst2"],
+            [
+                ("i-clustered", 0, "i-clustered", 25),
+                ("**i-clustered+ (default, 1 round)**", 1, "i-clustered+", 25),
+                ("i-clustered+, 3 rounds", 0, "i-clustered+", 25),
+            ],
+        ),
+    ),
+    Table(
+        "demo",
+        ("demo_plus/results.json", "demo_plus_articles/results.json", "demo_full_results.json"),
+        (FIDELITY,),
+        "bert-cluster evaluate -o DIR (the embedded default; --task squad-articles-proxy for the articles "
+        "again on the idle machine; --mode i-clustered for the paper's mode)",
+        evaluate_columns(
+            ["stsb-embedding", "squad-retrieval", "squad-articles-proxy"],
+            [
+                ("i-clustered+ C=25, STS-B and SQuAD", 0, "i-clustered+", 25),
+                ("i-clustered+ C=25, articles (final settings, idle)", 1, "i-clustered+", 25),
+                ("i-clustered C=25 (0.1's default)", 2, "i-clustered", 25),
+            ],
+            skip=[(0, "squad-articles-proxy")],
+        ),
+    ),
+    Table(
+        "articles-8k",
+        ("articles_8k.json",),
+        (FIDELITY,),
+        "TaskSession on squad-articles, --limit 1057 --max-length 8192, one configuration per setting",
+        articles_table,
+    ),
+    Table(
+        "length-scaling",
+        ("length_scaling_plus.json", "length_scaling_plus_8k.json"),
+        (FIDELITY,),
+        "python scripts/bench_length_scaling.py --model OUT/minilm-l6-16k --threads 1 "
+        '--lengths 2048 4096 8192 16384 --docs 3 --docs-16k 2 --settings default "i-clustered+ cg=0.5" '
+        '"i-clustered+ cg=0.25" "i-clustered+ cg=0.5 kg=0.25"',
+        length_scaling_table,
+    ),
+    Table(
+        "fidelity-screen",
+        ("fidelity_screen.json",),
+        (FIDELITY,),
+        "python scripts/fidelity_screen.py /tmp/bc-models/minilm-l6-squad --data-dir "
+        "../shared/models/minilm-l6-squad/eval --limit 1000 --clusters 10,25 --candidates base lloyd3 qmass "
+        "lloyd3+qmass mass90 sinks4 lloyd3+mass90 --lengths --threads 1",
+        screen_table,
+    ),
+    Table(
+        "fidelity-cost",
+        ("fidelity_cost_idle.json",),
+        (FIDELITY,),
+        f"{BENCH} --lengths 384 4096 {THREE} --repeats 21 --no-memory",
+        cost_table,
+    ),
+    Table(
+        "fidelity-inspect",
+        ("inspect_squad_ic/inspect.json", "inspect_squad_icp/inspect.json"),
+        (FIDELITY,),
+        "bert-cluster inspect /tmp/bc-models/minilm-l6-squad --task squad --data-dir "
+        "../shared/models/minilm-l6-squad/eval --limit 16 --max-length 384 -c 25 "
+        "--mode i-clustered|i-clustered+ -o DIR",
+        inspect_table,
+    ),
+    Table(
+        "fidelity-clusters",
+        ("glue_results.json", "squad_results.json"),
+        (FIDELITY,),
+        'bert-cluster evaluate "/tmp/bc-models/minilm-l6-{task}" --task rte,mrpc,stsb,sst2 '
+        "--clusters 10,25,50,100 --seeds 3 --data-dir ../shared/data -o DIR; the same for squad with "
+        "--limit 500",
+        seeds_table,
+    ),
+    Table(
+        "tune-rte",
+        ("tune_rte.json",),
+        (USAGE,),
+        "bert-cluster tune /tmp/bc-models/minilm-l6-rte --task rte --budget 0.5 --data-dir ../shared/data "
+        "-o DIR",
+        tune_table,
+    ),
+)
+
+#: Files kept under docs/results/ that no table renders: the pages show them as images or link them.
+EXTRA_FILES: dict[str, tuple[str, str]] = {
+    "glue_scores.png": ("the plot of the fidelity-clusters GLUE run", FIDELITY),
+    "squad_scores.png": ("the plot of the fidelity-clusters SQuAD run", FIDELITY),
+    "tune_rte.png": ("the plot of the tune-rte run", USAGE),
+    "inspect_squad_ic/inspect.png": ("the heatmap of the fidelity-inspect i-clustered run", FIDELITY),
+    "inspect_squad_icp/inspect.png": ("the heatmap of the fidelity-inspect i-clustered+ run", FIDELITY),
+    "demo_plus/results.md": ("the demo run's own tables (evaluate writes them)", FIDELITY),
+    "demo_plus/scores.png": ("the demo run's plot", FIDELITY),
+    "demo_plus_articles/results.md": ("the articles run's own tables", FIDELITY),
+    "fidelity_glue25/results.md": ("that run's own tables", FIDELITY),
+    "fidelity_glue25/scores.png": ("that run's plot", FIDELITY),
+    "fidelity_glue25_default/results.md": ("that run's own tables", FIDELITY),
+    "fidelity_glue25_default/scores.png": ("that run's plot", FIDELITY),
+}
+INDEX = f"{RESULTS}/README.md"
+
+
+def index_table(_: list[dict]) -> list[str]:
+    """Every kept results file: which table renders it (and the command), or which page shows it."""
+    rows = []
+    for entry in TABLES:
+        pages = ", ".join(f"[{Path(d).name}](../../{d})" for d in entry.documents)
+        files = "<br>".join(f"`{source}`" for source in entry.sources)
+        rows.append([files, f"`{entry.name}`", pages, f"`{entry.command}`"])
+    for source, (what, page) in EXTRA_FILES.items():
+        rows.append([f"`{source}`", "", f"[{Path(page).name}](../../{page})", what])
+    return table(["files", "table", "cited by", "made by"], "llll", rows)
+
+
+INDEX_TABLE = Table("results-index", (), (INDEX,), "", index_table)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rendering and checking
+
+
+def load(root: Path, entry: Table) -> list[dict]:
+    return [json.loads((root / RESULTS / source).read_text(encoding="utf-8")) for source in entry.sources]
+
+
+def rendering(root: Path, entry: Table) -> str:
+    """The region's body: the table, its caption and the files it came from."""
+    lines = entry.render(load(root, entry))
+    if entry.sources:
+        lines.append("Source: " + ", ".join(f"`{RESULTS}/{s}`" for s in entry.sources) + ".")
+        lines.append(f"Made by: `{entry.command}`.")
+    return "\n" + "\n".join(lines) + "\n\n"
+
+
+def render_document(root: Path, document: str, entries: Sequence[Table]) -> tuple[str, str, list[str]]:
+    """(current text, rendered text, problems) for one document."""
+    text = (root / document).read_text(encoding="utf-8")
+    by_name = {e.name: e for e in entries}
+    problems = []
+    found = set()
+
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        found.add(name)
+        if name not in by_name:
+            problems.append(f"{document}: table {name!r} is not registered for this document")
+            return match[0]
+        return f"<!-- table: {name} -->\n{rendering(root, by_name[name])}<!-- /table -->"
+
+    new = MARKER.sub(replace, text)
+    problems += [f"{document}: no region for table {n!r}" for n in by_name if n not in found]
+    return text, new, problems
+
+
+def run(root: Path, check: bool) -> list[str]:
+    """Render (or check) every document; returns the stale regions and other problems."""
+    documents: dict[str, list[Table]] = {}
+    for entry in (*TABLES, INDEX_TABLE):
+        for document in entry.documents:
+            documents.setdefault(document, []).append(entry)
+    problems = []
+    for document, entries in documents.items():
+        text, new, found = render_document(root, document, entries)
+        problems += found
+        if new != text:
+            if check:
+                old = {m["name"]: m["body"] for m in MARKER.finditer(text)}
+                current = {m["name"]: m["body"] for m in MARKER.finditer(new)}
+                problems += [
+                    f"{document}: table {n!r} differs from its results"
+                    for n in current
+                    if old.get(n) != current[n]
+                ]
+            else:
+                (root / document).write_text(new, encoding="utf-8")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    parser.add_argument(
+        "--root", type=Path, default=ROOT, help="the repository root (default: this checkout)"
+    )
+    args = parser.parse_args(argv)
+    problems = run(args.root, args.check)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""``bert_cluster.embed`` / ``bert-cluster embed``: inputs, equality with encode, resume, lock, processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import bert_cluster
+from bert_cluster.cli import app
+from bert_cluster.embedding import plan, read_documents, read_output, store
+from bert_cluster.evaluation.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+SQUAD = REPO / "bert_cluster" / "data" / "squad_v1_dev_retrieval.json.gz"
+#: Settings that make every run of a test approximate the same rows whatever the machine measured
+#: (min_length="auto" is a per-machine crossover), and give several shards and batches.
+SMALL = {"shard_size": 4, "max_tokens_per_batch": 600}
+CLUSTERED = {"min_length": 0, "clusters": 4, "topk": 8}
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """14 SQuAD paragraph openings of 5 to ~160 words: several lengths, so batches differ in padding."""
+    paragraphs = json.loads(gzip.decompress(SQUAD.read_bytes()))["paragraphs"]
+    return [" ".join(p["context"].split()[: 5 + (i * 37) % 160]) for i, p in enumerate(paragraphs[:28:2])]
+
+
+@pytest.fixture()
+def corpus(tmp_path, texts) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    return path
+
+
+def matrix(output: Path) -> tuple[list[str], np.ndarray]:
+    table = read_output(output)
+    return table.column("id").to_pylist(), np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+
+
+def encoded(model_dir: Path, texts: list[str], attention: dict | None) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    model.max_seq_length = 512
+    if attention is not None:
+        bert_cluster.convert(model, **attention)
+    return model.encode(texts, batch_size=32, convert_to_numpy=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and plan (no model)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_text_file_problems_are_reported_by_line_and_never_embedded(tmp_path):
+    path = tmp_path / "docs.txt"
+    path.write_bytes(b"\xef\xbb\xbffirst\r\n\n   \t\nbad \xff\xfe bytes\nlast\n")
+    read = read_documents(path)
+    assert [(d.id, d.text, d.line) for d in read.documents] == [("1", "first", 1), ("5", "last", 5)]
+    assert [(p.line, p.reason) for p in read.problems] == [
+        (2, "empty"),
+        (3, "whitespace only"),
+        (4, "not valid UTF-8 (byte 5 of the line)"),
+    ]
+
+
+def test_table_inputs_through_datasets(tmp_path):
+    rows = [{"doc": "a", "body": "alpha"}, {"doc": "b", "body": None}, {"doc": "a", "body": "again"}]
+    rows.append({"doc": "c", "body": "gamma"})
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    read = read_documents(tmp_path / "d.jsonl", text_field="body", id_field="doc")
+    assert [(d.id, d.text, d.line) for d in read.documents] == [("a", "alpha", 1), ("c", "gamma", 4)]
+    assert [(p.id, p.line, p.reason) for p in read.problems] == [
+        ("b", 2, "no text (missing or null)"),
+        ("a", 3, "repeated id (first at line 1)"),
+    ]
+    import datasets
+
+    table = datasets.Dataset.from_list([{"text": "x y"}, {"text": "z"}])
+    table.to_csv(str(tmp_path / "d.csv"))
+    table.to_parquet(str(tmp_path / "d.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    for source in ("d.csv", "d.parquet", "saved"):
+        assert [d.text for d in read_documents(tmp_path / source).documents] == ["x y", "z"], source
+    (tmp_path / "nested.json").write_text(json.dumps({"items": [{"text": "q"}]}), encoding="utf-8")
+    assert [d.text for d in read_documents(tmp_path / "nested.json", json_field="items").documents] == ["q"]
+    with pytest.raises(UserError, match="--text-field 'nope' is not a column"):
+        read_documents(tmp_path / "d.csv", text_field="nope")
+    with pytest.raises(UserError, match="does not exist"):
+        read_documents(tmp_path / "missing.jsonl")
+
+
+def test_squad_articles_are_packaged():
+    read = read_documents("package:squad-articles")
+    assert len(read.documents) == 48 and not read.problems
+    paragraphs = json.loads(gzip.decompress(SQUAD.read_bytes()))["paragraphs"]
+    first = [p["context"] for p in paragraphs if p["id"].startswith("Super_Bowl_50/")]
+    assert read.documents[0].id == "Super_Bowl_50" and read.documents[0].text == "\n\n".join(first)
+
+
+def test_plan_keeps_the_budget_and_the_input_order():
+    lengths = [5, 50, 7, 300, 20, 20, 9, 1000, 3]
+    shards = plan.make_plan(lengths, shard_size=4, budget=100)
+    assert [list(s.documents) for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert shards[0].batches == ((3,), (1, 2), (0,))  # longest first; 2 x 50 fits, 3 x 50 does not
+    for shard in shards:
+        assert sorted(p for batch in shard.batches for p in batch) == list(shard.documents)
+        for batch in shard.batches:  # rows x longest row within the budget, unless one row alone is over
+            assert len(batch) == 1 or len(batch) * max(lengths[p] for p in batch) <= 100
+
+
+# --------------------------------------------------------------------------------------------------
+# Equality with SentenceTransformer.encode
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "converted"])
+def test_embed_equals_sentence_transformer_encode(minilm_dir, corpus, texts, tmp_path, exact):
+    result = bert_cluster.embed(
+        minilm_dir, corpus, tmp_path / "out", exact=exact, attention=CLUSTERED, **SMALL
+    )
+    assert result.documents == len(texts) and result.shards == 4 and result.truncated == 0
+    ids, ours = matrix(tmp_path / "out")
+    assert ids == [str(n) for n in range(1, len(texts) + 1)]
+    reference = encoded(minilm_dir, texts, None if exact else CLUSTERED)
+    # Batches of other composition pad differently: measured max |diff| 1.2e-7 (exact and converted,
+    # 20 SQuAD texts, batches of 32 and of 1); converted (C = 25) vs exact: 1.8e-2, far above this.
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-6)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["model"]["modules"] == ["Transformer", "Pooling", "Normalize"]
+    assert manifest["settings"]["attention"] == (None if exact else result.manifest["settings"]["attention"])
+    assert manifest["counts"] == {"documents": 14, "embedded": 14, "truncated": 0, "problems": 0}
+    assert manifest["this_run"]["documents_per_second"] > 0
+
+
+def test_dense_modules_and_a_plain_encoder_folder(tmp_path):
+    import helpers
+
+    folder = helpers.save_sentence_transformer(tmp_path / "st", dense=16, normalize=False)
+    docs = tmp_path / "d.txt"
+    docs.write_text("one two three\nfour five\nsix seven eight nine\n", encoding="utf-8")
+    result = bert_cluster.embed(folder, docs, tmp_path / "out", exact=True, max_length=64)
+    assert result.dimension == 16 and result.manifest["model"]["dense"] is True
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(folder), device="cpu").encode(docs.read_text().split("\n")[:3])
+    np.testing.assert_allclose(matrix(tmp_path / "out")[1], reference, rtol=0, atol=1e-6)
+    plain = bert_cluster.embed(tmp_path / "st-bert", docs, tmp_path / "plain", exact=True)
+    assert plain.manifest["model"]["pooling"] == "mean"
+    assert plain.manifest["model"]["sentence_transformers_folder"] is False
+    assert "mean pooling" in plain.manifest["model"]["note"]
+
+
+def test_truncation_is_counted(minilm_dir, corpus, texts, tmp_path):
+    result = bert_cluster.embed(minilm_dir, corpus, tmp_path / "out", exact=True, max_length=32)
+    table = read_output(tmp_path / "out")
+    counts = table.column("tokens").to_pylist()
+    assert result.truncated == sum(count > 32 for count in counts) > 0
+    assert table.column("truncated").to_pylist() == [count > 32 for count in counts]
+    assert max(counts) > 100  # the untruncated count, not the 32 the model saw
+
+
+# --------------------------------------------------------------------------------------------------
+# The output folder: other settings, lock, bad documents through the CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def test_other_settings_are_refused_and_the_same_run_is_complete(minilm_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    first = bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    again = bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    assert again.resumed_shards == first.shards and again.manifest == first.manifest
+    with pytest.raises(UserError, match=r"other settings: max_length \(there 512, now 64\).*--overwrite"):
+        bert_cluster.embed(minilm_dir, corpus, out, exact=True, max_length=64, **SMALL)
+    with pytest.raises(
+        UserError, match=r"other settings: attention \(there null, now \{.*; exact \(there true, now false\)"
+    ):
+        bert_cluster.embed(minilm_dir, corpus, out, **SMALL)
+    replaced = bert_cluster.embed(minilm_dir, corpus, out, exact=True, max_length=64, overwrite=True, **SMALL)
+    assert replaced.resumed_shards == 0 and replaced.manifest["settings"]["max_length"] == 64
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty and holds no embed run"):
+        bert_cluster.embed(minilm_dir, corpus, tmp_path / "busy", exact=True)
+
+
+def test_lock_refuses_a_second_process(minilm_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    with store.locked(out):
+        with pytest.raises(UserError, match="being written by another embed run"):
+            bert_cluster.embed(minilm_dir, corpus, out, exact=True)
+        result = CliRunner().invoke(app, ["embed", str(minilm_dir), str(corpus), "-o", str(out), "--exact"])
+        assert result.exit_code == 2 and "being written by another embed run" in result.output
+    assert not list(out.glob("shard-*"))
+    assert bert_cluster.embed(minilm_dir, corpus, out, exact=True).documents == 14  # free again
+
+
+def test_cli_reports_bad_documents_and_one_line_errors(minilm_dir, tmp_path):
+    docs = tmp_path / "docs.txt"
+    docs.write_bytes(b"a fine sentence\n\nbad \xff\nanother fine one\n  \n")
+    runner = CliRunner()
+    done = runner.invoke(app, ["embed", str(minilm_dir), str(docs), "-o", str(tmp_path / "out"), "--exact"])
+    assert done.exit_code == 0, done.output
+    assert "skipped 2 (line 2): empty" in done.output
+    assert "skipped 3 (line 3): not valid UTF-8" in done.output
+    assert "skipped 5 (line 5): whitespace only" in done.output
+    assert "embedded 2 documents" in done.output and "3 skipped" in done.output
+    assert matrix(tmp_path / "out")[0] == ["1", "4"]
+    problems = json.loads((tmp_path / "out" / "manifest.json").read_text())["problems"]
+    assert [(p["id"], p["line"]) for p in problems] == [("2", 2), ("3", 3), ("5", 5)]
+    for arguments, message in [
+        ([str(tmp_path / "nothing.txt")], "does not exist"),
+        ([str(docs), "--dtype", "float16"], "dtype must be one of float32, bfloat16"),
+        ([str(docs), "--max-length", "4096"], "more than the model's 512 positions"),
+        ([str(docs), "--topk", "0"], "topk"),
+    ]:
+        failed = runner.invoke(app, ["embed", str(minilm_dir), *arguments, "-o", str(tmp_path / "e")])
+        assert failed.exit_code == 2, failed.output
+        lines = failed.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], failed.output
+
+
+# --------------------------------------------------------------------------------------------------
+# Nothing lost: kill -9 between shards; several processes
+# --------------------------------------------------------------------------------------------------
+
+#: The CLI with the shard writer patched to kill its own process (SIGKILL, no clean-up) after 2 shards.
+KILLED_AFTER_TWO_SHARDS = textwrap.dedent("""
+    import os, signal, sys
+    from bert_cluster.embedding import store
+    real_write = store.write_shard
+    written = []
+    def write_then_die(*args, **kwargs):
+        path = real_write(*args, **kwargs)
+        written.append(path)
+        if len(written) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+    store.write_shard = write_then_die
+    from bert_cluster.cli import main
+    sys.argv = ["bert-cluster", *sys.argv[1:]]
+    main()
+""")
+
+
+def _cli(launcher: list[str], arguments: list[str]) -> subprocess.CompletedProcess:
+    # One thread per process in every run, so the only difference is what the test changes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([*launcher, *arguments], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _arguments(model: Path, corpus: Path, output: Path) -> list[str]:
+    return [
+        *("embed", str(model), str(corpus), "-o", str(output), "--quiet"),
+        *("--shard-size", "4", "--max-tokens-per-batch", "600", "--min-length", "0", "--clusters", "4"),
+        *("--topk", "8"),
+    ]
+
+
+@pytest.mark.slow
+def test_killed_run_continues_and_equals_an_uninterrupted_one(minilm_dir, corpus, tmp_path):
+    whole = _cli([sys.executable, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "out"
+    killed = _cli([sys.executable, "-c", KILLED_AFTER_TWO_SHARDS], _arguments(minilm_dir, corpus, out))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    first_two = sorted(out.glob("shard-*.parquet"))
+    assert [p.name for p in first_two] == ["shard-00000.parquet", "shard-00001.parquet"]
+    assert not (out / "manifest.json").exists()
+    stamps = [p.stat().st_mtime_ns for p in first_two]
+    resumed = _cli([sys.executable, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["this_run"]["shards_resumed"] == 2 and manifest["this_run"]["shards_written"] == 2
+    assert [p.stat().st_mtime_ns for p in first_two] == stamps  # kept, not written again
+    (ids, ours), (whole_ids, theirs) = matrix(out), matrix(tmp_path / "whole")
+    assert ids == whole_ids
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))  # bit for bit
+
+
+@pytest.mark.slow
+def test_two_processes_write_what_one_does(minilm_dir, corpus, tmp_path):
+    one = _cli([sys.executable, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = _cli([*launcher, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["processes"] == 2 and manifest["this_run"]["documents"] == 14
+    (ids, ours), (one_ids, theirs) = matrix(tmp_path / "two"), matrix(tmp_path / "one")
+    assert ids == one_ids
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
+        p.name for p in (tmp_path / "one").iterdir()
+    )

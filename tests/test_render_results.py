@@ -1,0 +1,188 @@
+"""The README's and docs' tables are their results files' rendering, and the README states the defaults."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+import bert_cluster
+from bert_cluster.config import ClusteredAttentionConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("render_results", ROOT / "scripts" / "render_results.py")
+render_results = importlib.util.module_from_spec(SPEC)
+sys.modules["render_results"] = render_results  # dataclasses look their module up there
+SPEC.loader.exec_module(render_results)
+
+#: Pages of this repository's docs whose tables render_results.py owns (docs/embed.md is written by hand).
+PAGES = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "embed.md"),
+    ROOT / "docs/results/README.md",
+]
+#: The issue's limit: the README is a user's page, details live under docs/.
+README_MAX_LINES = 300
+
+
+def test_the_committed_tables_equal_their_rendering():
+    assert render_results.run(ROOT, check=True) == []
+
+
+def copy_docs(tmp_path: Path) -> Path:
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    return tmp_path
+
+
+def test_a_changed_figure_makes_the_check_fail_and_rendering_fixes_it(tmp_path, capsys):
+    root = copy_docs(tmp_path)
+    source = root / "docs/results/bench_attention_zen5/targets_fp32_1.json"
+    result = json.loads(source.read_text(encoding="utf-8"))
+    row = next(r for r in result["rows"] if r["n"] == 512 and r["method"] == "kernel-i-clustered")
+    assert "0.84 / 0.87" in (root / "README.md").read_text(encoding="utf-8")
+    row["median_ms"] = 0.91
+    source.write_text(json.dumps(result), encoding="utf-8")
+
+    assert render_results.main(["--check", "--root", str(root)]) == 1
+    stale = capsys.readouterr().err
+    assert "README.md: table 'speed-zen5' differs" in stale
+    assert "docs/benchmarks.md: table 'speed-zen5' differs" in stale
+    assert "long-documents" not in stale  # only the tables made from that file
+
+    assert render_results.main(["--root", str(root)]) == 0  # rewrites the regions
+    assert "0.91 / 0.87" in (root / "README.md").read_text(encoding="utf-8")
+    assert render_results.main(["--check", "--root", str(root)]) == 0
+
+
+def test_a_hand_edited_table_makes_the_check_fail(tmp_path, capsys):
+    root = copy_docs(tmp_path)
+    page = root / "docs/fidelity.md"
+    text = page.read_text(encoding="utf-8")
+    assert "| 0.259 (0.315) |" in text
+    page.write_text(text.replace("| 0.259 (0.315) |", "| 0.159 (0.315) |"), encoding="utf-8")
+    assert render_results.main(["--check", "--root", str(root)]) == 1
+    assert "docs/fidelity.md: table 'fidelity-inspect' differs" in capsys.readouterr().err
+
+
+def test_a_missing_or_unknown_region_is_reported(tmp_path):
+    root = copy_docs(tmp_path)
+    page = root / "docs/benchmarks.md"
+    text = page.read_text(encoding="utf-8")
+    start = text.index("<!-- table: speed-xeon-bf16 -->")
+    end = text.index("<!-- /table -->", start) + len("<!-- /table -->")
+    unknown = "<!-- table: no-such-table -->\n<!-- /table -->"
+    page.write_text(text[:start] + unknown + text[end:], encoding="utf-8")
+    problems = render_results.run(root, check=True)
+    assert "docs/benchmarks.md: no region for table 'speed-xeon-bf16'" in problems
+    assert "docs/benchmarks.md: table 'no-such-table' is not registered for this document" in problems
+
+
+def regions(text: str) -> list[tuple[int, int]]:
+    return [(m.start(), m.end()) for m in render_results.MARKER.finditer(text)]
+
+
+def cells(line: str) -> list[str]:
+    return re.split(r"(?<!\\)\|", line.strip())[1:-1]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_is_rendered_and_well_formed(page):
+    text = page.read_text(encoding="utf-8")
+    spans = regions(text)
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        if line.startswith("|"):
+            assert any(a <= offset < b for a, b in spans), f"a table outside a rendered region: {line!r}"
+        offset += len(line)
+    for start, end in spans:
+        rows = [line for line in text[start:end].splitlines() if line.startswith("|")]
+        assert len(rows) >= 3, text[start:end][:80]
+        width = len(cells(rows[0]))
+        assert all(re.fullmatch(r"-{3,}:?", c) for c in cells(rows[1])), rows[1]
+        assert [len(cells(r)) for r in rows] == [width] * len(rows), rows[0]
+    # A CommonMark parser with GitHub's tables sees one table per region, every row of it a table row.
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    assert sum(t.type == "table_open" for t in tokens) == len(spans)
+    table_lines = sum(line.startswith("|") for line in text.splitlines())
+    assert sum(t.type == "tr_open" for t in tokens) == table_lines - len(spans)  # less the rules
+
+
+def test_every_kept_results_file_is_indexed_and_every_indexed_one_exists():
+    folder = ROOT / render_results.RESULTS
+    kept = {
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.parts[len(folder.parts)] != "peers" and p.name != "README.md"
+    }
+    indexed = {s for t in render_results.TABLES for s in t.sources} | set(render_results.EXTRA_FILES)
+    assert all((folder / name).is_file() for name in indexed)
+    assert kept == {name for name in indexed if not name.startswith("peers/")}  # peers/: bench_peers.py's
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_their_anchors_resolve(page):
+    text = page.read_text(encoding="utf-8")
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+        if "://" in target:
+            continue
+        linked = page.parent / target if target else page
+        assert linked.exists(), target
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{target}#{anchor}"
+
+
+def test_the_readme_fits_its_budget():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= README_MAX_LINES
+
+
+def stated_preset(comment: str) -> dict:
+    """The keyword arguments of the ClusteredAttentionConfig(...) call under a README comment."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    index = next(i for i, line in enumerate(lines) if line.startswith(comment))
+    end = next(i for i in range(index + 1, len(lines)) if lines[i].rstrip().endswith(")"))
+    call = ast.parse("\n".join(lines[index + 1 : end + 1])).body[0].value
+    assert call.func.id == "ClusteredAttentionConfig"
+    return {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+
+
+CONVERT = "# convert's preset, ClusteredAttentionConfig.for_convert()"
+EVALUATOR = "# the evaluator's preset, ClusteredAttentionConfig.for_evaluation()"
+
+
+def test_the_readme_states_converts_preset():
+    preset = dataclasses.asdict(ClusteredAttentionConfig.for_convert())
+    assert stated_preset(CONVERT) == preset
+    assert preset["min_length"] == "auto"
+
+
+def test_the_readme_states_the_evaluators_preset():
+    preset = dataclasses.asdict(ClusteredAttentionConfig.for_evaluation())
+    assert stated_preset(EVALUATOR) == preset
+    assert preset["min_length"] == 0
+
+
+def test_convert_applies_the_preset_the_readme_states():
+    """A model converted with no settings carries exactly the README's convert preset."""
+    from helpers import tiny_bert_config
+    from transformers import BertModel
+
+    model = BertModel(tiny_bert_config()).eval()
+    bert_cluster.convert(model)
+    stated = stated_preset(CONVERT)
+    stored = model.config.clustered_attention
+    assert {name: stored[name] for name in stated} == stated
