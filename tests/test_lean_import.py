@@ -37,6 +37,7 @@ def test_import_is_lean():
     assert facts["modules"] == [
         "bert_cluster",
         "bert_cluster._hook",
+        "bert_cluster._version",  # the one place the version is written
         "bert_cluster.attention",
         "bert_cluster.config",
         "bert_cluster.environment",  # the environment variables' readers: stdlib only
