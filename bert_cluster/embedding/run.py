@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.config import CONVERT_SETTINGS, ClusteredAttentionConfig
 from bert_cluster.embedding import store
 from bert_cluster.embedding.documents import Corpus, Problem, read_documents
 from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
-from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+from bert_cluster.evaluation.errors import UserError, positive_int
 
 DTYPES = ("float32", "bfloat16")
 #: Padded tokens per model pass (rows x longest row): 32 documents of 512 tokens.
@@ -61,17 +61,10 @@ class EmbedInterrupted(Exception):
 def _attention_config(
     attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
 ) -> ClusteredAttentionConfig:
-    """A config as given, or ``convert``'s defaults with the settings of a mapping."""
-    if isinstance(attention, ClusteredAttentionConfig):
-        return attention
-    if attention is not None and not isinstance(attention, Mapping):
-        raise UserError(
-            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
-        )
-    try:
-        return ClusteredAttentionConfig.for_convert(**dict(attention or {}))
-    except (TypeError, ValueError) as error:
-        raise UserError(str(error)) from None
+    """A config as given, or ``convert``'s preset with the settings of a mapping."""
+    from bert_cluster.evaluation import attention_config
+
+    return attention_config(attention, {}, preset=CONVERT_SETTINGS)
 
 
 @dataclasses.dataclass
@@ -97,18 +90,10 @@ def _model_files(path: str) -> dict[str, list[int]]:
 def _load(model: str | Path, device: str, dtype: str) -> _Encoder:
     """The SentenceTransformer of ``model`` on ``device`` in ``dtype``, and what its modules do."""
     import torch
-    from sentence_transformers import SentenceTransformer
 
-    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
-    from bert_cluster.evaluation.modeling import check_model_path, max_positions, quiet, resolve_model
+    from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
 
-    path = check_model_path(resolve_model(str(model)))
-    try:
-        with quiet():
-            encoder = SentenceTransformer(path, device=device)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise UserError(f"cannot load model {model} ({path}): {one_line(error)}") from None
-    encoder.eval()
+    encoder, path = load_sentence_encoder(model, device)
     if dtype == "bfloat16":
         encoder.to(torch.bfloat16)
     names = [type(module).__name__ for module in encoder]

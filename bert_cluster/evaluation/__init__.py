@@ -90,17 +90,23 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     return raw
 
 
-def _attention(
-    attention: ClusteredAttentionConfig | Mapping[str, Any] | None, defaults: Mapping[str, Any]
+def attention_config(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
+    defaults: Mapping[str, Any],
+    preset: Mapping[str, Any] = EVALUATION_SETTINGS,
 ) -> ClusteredAttentionConfig:
-    """A config object as given; a mapping (or None) over the evaluator's and the default run's settings."""
+    """A config object as given; a mapping (or None) over ``preset`` (the evaluator's) and ``defaults``.
+
+    Raises:
+        UserError: not a config or mapping, or a setting that is unknown or out of range.
+    """
     if isinstance(attention, ClusteredAttentionConfig):
         return attention
     if attention is not None and not isinstance(attention, Mapping):
         raise UserError(
             f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
         )
-    settings = {**EVALUATION_DEFAULTS, **defaults, **(attention or {})}
+    settings = {**preset, **defaults, **(attention or {})}
     try:
         return ClusteredAttentionConfig.from_dict(settings)
     except (TypeError, ValueError) as error:
@@ -200,7 +206,7 @@ def evaluate(
         if value is not None:
             positive_int(name, value)
     task_configs = tuple(get_tasks(tasks if isinstance(tasks, str) else list(tasks)))
-    base = _attention(attention, defaults.get("attention", {}))
+    base = attention_config(attention, defaults.get("attention", {}))
     modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
     device = runner.check_device(device)
     plan = runner.RunPlan(

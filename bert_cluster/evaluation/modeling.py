@@ -129,6 +129,27 @@ def load_encoder(model: str | Path) -> tuple[torch.nn.Module, Any]:
     return loaded.eval(), tokenizer
 
 
+def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
+    """A ``SentenceTransformer`` in eval mode and its resolved path (for the embedding kinds and embed).
+
+    A plain transformers folder gets mean pooling from sentence-transformers itself.
+
+    Raises:
+        UserError: the path does not exist or the model cannot be loaded.
+    """
+    from sentence_transformers import SentenceTransformer
+
+    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
+
+    path = check_model_path(resolve_model(str(model)))
+    try:
+        with quiet():
+            encoder = SentenceTransformer(path, device=device)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise UserError(f"cannot load model {model!r} ({path}): {one_line(error)}") from None
+    return encoder.eval(), path
+
+
 def pad_batch(
     tokenizer: Any, features: Sequence[dict[str, list[int]]], device: str
 ) -> dict[str, torch.Tensor]:

@@ -478,7 +478,7 @@ def tune(
     Raises:
         UserError: a mistake in the arguments, found before the model is scored.
     """
-    from bert_cluster.evaluation import _attention, report, runner
+    from bert_cluster.evaluation import attention_config, report, runner
     from bert_cluster.evaluation.data import data_dirs
     from bert_cluster.evaluation.modeling import check_model_path, resolve_model
     from bert_cluster.evaluation.parallel import Workers
@@ -523,7 +523,7 @@ def tune(
     for name, value in (("limit", limit), ("batch_size", batch_size), ("max_length", max_length)):
         if value is not None:
             positive_int(name, value)
-    base = _attention(attention, {})
+    base = attention_config(attention, {})
     if fixed_layers is not None:
         base = base.replace(layers=fixed_layers)
     try:

@@ -31,7 +31,7 @@ from bert_cluster.evaluation.kinds import (
     first_n,
     register_kind,
 )
-from bert_cluster.evaluation.modeling import check_model_path, max_positions, quiet, resolve_model
+from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
 
 #: Metrics of the retrieval kind: those of sentence-transformers' InformationRetrievalEvaluator.
 RETRIEVAL_METRIC = re.compile(r"(accuracy|precision|recall|mrr|ndcg|map)@([1-9][0-9]*)")
@@ -78,17 +78,7 @@ class _EmbeddingKind:
 
     def load_model(self, model: str | Path, task: Any, device: str) -> LoadedModel:
         """Load a ``SentenceTransformer`` (a plain transformers folder gets mean pooling)."""
-        from sentence_transformers import SentenceTransformer
-
-        import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
-
-        path = check_model_path(resolve_model(model))
-        try:
-            with quiet():
-                encoder = SentenceTransformer(path, device=device)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-            raise UserError(f"cannot load model {model!r} ({path}): {one_line(error)}") from None
-        encoder.eval()
+        encoder, _ = load_sentence_encoder(model, device)
         transformer = transformer_of(encoder)
         modules = " > ".join(type(module).__name__ for module in encoder)
         return LoadedModel(
