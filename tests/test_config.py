@@ -175,4 +175,4 @@ def test_the_evaluator_and_the_cli_use_the_presets():
 
     assert evaluation.EVALUATION_DEFAULTS == dict(EVALUATION_SETTINGS) == {"min_length": 0}
     assert dict(CONVERT_SETTINGS) == {"min_length": "auto"}
-    assert evaluation._attention(None, {}) == ClusteredAttentionConfig.for_evaluation()
+    assert evaluation.attention_config(None, {}) == ClusteredAttentionConfig.for_evaluation()
