@@ -6,6 +6,7 @@ Environment:
                                   time; set TORCH_CUDA_ARCH_LIST, e.g. "9.0", else 8.0;9.0+PTX).
     BERT_CLUSTER_NATIVE=1         compile the CPU code with -march=native only (not portable).
     BERT_CLUSTER_MARCH=ARCH       compile the CPU code for one ISA only, e.g. x86-64-v3.
+    BERT_CLUSTER_ONLY_THIS_CPU=1  build only the CPU library of this CPU's x86-64 level (the demo's install).
 
 The CPU kernels are compiled once per x86-64 ISA level into their own libraries
 (``bert_cluster._C_cpu_x86_64_v4`` = AVX-512, ``_v3`` = AVX2 + FMA, ``_C_cpu_x86_64`` = SSE2), of which
@@ -27,6 +28,7 @@ of the pinned torch release and a matching nvcc (an isolated build would install
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import platform
 import shutil
@@ -37,6 +39,18 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
+
+
+def _load_cuda_sources():
+    """bert_cluster/_cuda_sources.py, loaded by path (the package's imports need what a build lacks)."""
+    spec = importlib.util.spec_from_file_location("_cuda_sources", ROOT / "bert_cluster" / "_cuda_sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: What the CUDA kernels are built from and with: shared with the first-use build (bert_cluster._cuda_jit).
+CUDA = _load_cuda_sources()
 
 
 def _flag(name: str) -> bool:
@@ -60,7 +74,7 @@ def _extensions() -> tuple[list, dict]:
     ]
     # The limited API keeps one _C.abi3.so valid across Python versions (module.cpp needs no more).
     macros.append(("Py_LIMITED_API", "0x030A0000"))
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wno-psabi"]
+    cxx = list(CUDA.CXX_FLAGS)
     libraries = _cpu_libraries()
     # Python's CFLAGS ask for -g: three CPU libraries' debug information made the build slow and each
     # library 16 MB; symbols stay (profilers name the functions).
@@ -80,16 +94,12 @@ def _extensions() -> tuple[list, dict]:
     if not cuda:
         module = CppExtension(sources=["kernels/module.cpp"], extra_compile_args={"cxx": cxx}, **kwargs)
         return [module, *kernels], {"build_ext": _build_ext_class(BuildExtension)}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    include_dirs = []
-    # pip's CUDA torch ships the headers the system toolkit may lack (cusparse.h) under nvidia/cu13.
-    for candidate in sorted(Path(torch.__file__).resolve().parent.parent.glob("nvidia/cu*/include")):
-        include_dirs.append(str(candidate))
-    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", CUDA.DEFAULT_ARCH_LIST)
+    sources_dir = ROOT / "kernels"
     module = CUDAExtension(
-        sources=["kernels/module.cpp", *sorted(glob.glob("kernels/cuda/*.cu"))],
-        include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        sources=["kernels/module.cpp", *(str(p.relative_to(ROOT)) for p in CUDA.cuda_sources(sources_dir))],
+        include_dirs=CUDA.include_dirs(Path(torch.__file__).parent),
+        extra_compile_args={"cxx": cxx, "nvcc": CUDA.NVCC_FLAGS},
         **kwargs,
     )
     return [module, *kernels], {"build_ext": _build_ext_class(BuildExtension)}
@@ -152,25 +162,64 @@ def _cpu_libraries() -> list[tuple[str, list[str], int]]:
     # loads in the hashing and refinement loops: 25-50% slower on an AVX-512 Xeon, measured); Intel tuning
     # keeps it in a register. Tuning only: each library runs on every CPU of its level.
     tune = ["-mtune=skylake-avx512"]
-    return [
+    libraries = [
         ("x86_64_v4", ["-march=x86-64-v4", *tune], 4),
         ("x86_64_v3", ["-march=x86-64-v3", *tune], 3),
         ("x86_64", ["-march=x86-64", *tune], 1),
     ]
+    if _flag("BERT_CLUSTER_ONLY_THIS_CPU"):
+        level = _this_cpu_level()
+        if level:
+            return [next(library for library in libraries if library[2] <= level)]
+    return libraries
+
+
+#: The CPU flags each x86-64 level adds to the one below (/proc/cpuinfo's names; lzcnt is "abm").
+_LEVEL_FLAGS = {
+    3: {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    4: {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+
+
+def _this_cpu_level() -> int:
+    """The x86-64 level of the building CPU, from /proc/cpuinfo (module.cpp tells it at run time); 0: unknown.
+
+    For BERT_CLUSTER_ONLY_THIS_CPU=1 (the demo's install): the one library this machine loads, a third of
+    the compile; such a build does not run on a CPU of a lower level.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return 0
+    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    if not flags:
+        return 0
+    level = 1
+    for candidate in (3, 4):
+        if not _LEVEL_FLAGS[candidate] <= flags:
+            break
+        level = candidate
+    return level
 
 
 class BuildPyWithConfigs(build_py):
-    """Ship the repository's top-level ``configs/`` inside the package (``bert_cluster/configs``) in wheels.
+    """Ship ``configs/`` and the CUDA sources inside the package (``bert_cluster/configs``, ``/kernels``).
 
-    An editable install reads them from the checkout instead (``evaluation.tasks.config_root``).
+    A wheel's CUDA kernels build on first use from that copy (``bert_cluster._cuda_jit``). An editable
+    install reads both from the checkout instead (``evaluation.tasks.config_root``, ``_cuda_sources``).
     """
 
     def run(self) -> None:  # noqa: D102 - setuptools' command protocol
         super().run()
         if not getattr(self, "editable_mode", False):
-            shutil.copytree(
-                ROOT / "configs", Path(self.build_lib) / "bert_cluster" / "configs", dirs_exist_ok=True
-            )
+            package = Path(self.build_lib) / "bert_cluster"
+            shutil.copytree(ROOT / "configs", package / "configs", dirs_exist_ok=True)
+            kernels = ROOT / "kernels"
+            for path in CUDA.source_files(kernels):
+                target = package / "kernels" / path.relative_to(kernels)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
 
 
 ext_modules, cmdclass = _extensions()

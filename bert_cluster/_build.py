@@ -27,7 +27,7 @@ from typing import Any
 import filelock
 import torch
 
-from bert_cluster import dispatch, environment, ops
+from bert_cluster import _loader, dispatch, environment, ops
 
 _ROOT = Path(__file__).resolve().parent.parent  # the source checkout (setup.py lives here)
 #: How long a build waits for another process's build to finish (a CUDA build takes up to ~20 minutes).
@@ -103,7 +103,18 @@ def build_kernels(
         "cuda_ops": [],
     }
     if not setup_py.is_file():
-        result["log"] = f"no setup.py at {_ROOT}: building needs a source checkout of bert-cluster"
+        if cuda:  # an installed wheel: the first-use build, now (its CPU kernels came prebuilt)
+            from bert_cluster import _cuda_jit
+
+            built = _cuda_jit.build(verbose=verbose)
+            registered = [op for op in ops.KERNEL_OPS if _loader.has_kernel(op, "CUDA")]
+            result.update(ok=built["ok"], seconds=built["seconds"], path=built["path"], cuda_ops=registered)
+            result["log"] = built["reason"] or f"built for {built['arch_list']} into {built['path']}"
+            return result
+        result["log"] = (
+            f"no setup.py at {_ROOT}: this install's CPU kernels came prebuilt; rebuilding them needs a "
+            "source checkout of bert-cluster (`--cuda` builds the CUDA kernels here)"
+        )
         return result
     env = dict(os.environ)
     env.pop(environment.SKIP_KERNELS, None)

@@ -80,7 +80,7 @@ def load() -> dict[str, Any]:
             compiler=getattr(module, "COMPILER", "unknown"),
             path=getattr(module, "__file__", None),
         )
-        if built_for != str(torch.__version__):
+        if not compatible_torch(built_for, str(torch.__version__), state["with_cuda"]):
             state["reason"] = (
                 f"built for another torch ({built_for}, running {torch.__version__}); rebuild: {BUILD_HINT}"
             )
@@ -91,6 +91,18 @@ def load() -> dict[str, Any]:
     if not state["loaded"]:
         _warn_once(state["reason"])
     return state
+
+
+def compatible_torch(built_for: str, running: str, with_cuda: bool) -> bool:
+    """Whether kernels built against torch ``built_for`` load into torch ``running``.
+
+    The C++ API is the release's, whichever accelerator a torch build carries: CPU kernels built against
+    ``2.13.0+cpu`` serve ``2.13.0`` (PyPI's CUDA build) and ``2.13.0+cu130`` alike. A build with CUDA
+    kernels links that CUDA build's libraries, so it needs the very same torch.
+    """
+    if built_for == running:
+        return True
+    return not with_cuda and built_for.split("+")[0] == running.split("+")[0]
 
 
 def cpu_libraries(module: Any) -> list[tuple[str, int]]:

@@ -164,20 +164,41 @@ class CudaKernelBackend(_KernelBackend):
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Available when ``_C`` was built with CUDA, registered its CUDA ops and a GPU is visible."""
-        from bert_cluster import ops
+        """Available when the CUDA ops are registered (by ``_C`` or the first-use build), on a GPU."""
+        from bert_cluster import _cuda_jit, ops
 
         state = ops.load_kernels()
-        if state["loaded"] and not state["with_cuda"]:
-            return False, "bert_cluster._C was built without CUDA (rebuild with BERT_CLUSTER_BUILD_CUDA=1)"
-        ok, why = cls._kernels_available()
-        if ok and not torch.cuda.is_available():
+        if not _cuda_jit.loaded():
+            if not state["loaded"]:
+                return False, f"{state['reason']}; {_cuda_jit.note()}"
+            if not state["with_cuda"]:
+                return False, f"bert_cluster._C was built without CUDA; {_cuda_jit.note()}"
+        missing = ops.missing_kernels(cls.DISPATCH_KEY)
+        if missing:
+            return False, f"no {cls.DISPATCH_KEY} kernel is registered for {', '.join(missing)}"
+        if not torch.cuda.is_available():
             return False, "no CUDA device visible to torch"
-        return ok, why
+        return True, ""
 
     # No CUDA kernel yet for the i-clustered+ steps: the reference's tensor ops, on the same device.
     lloyd_refine = staticmethod(reference.lloyd_refine)
     refine_with_query_mass = staticmethod(reference.refine_with_query_mass)
+
+    _first_use_done: ClassVar[bool] = False
+
+    @classmethod
+    def _build_on_first_use(cls) -> None:
+        if cls._first_use_done:
+            return
+        cls._first_use_done = True
+        from bert_cluster import _cuda_jit, ops
+
+        state = ops.load_kernels()
+        if state["loaded"] and state["with_cuda"]:
+            return  # _C carries the CUDA kernels
+        if environment.kernels_disabled() or not torch.cuda.is_available() or _cuda_jit.why_not():
+            return
+        _cuda_jit.build()
 
     #: The largest head dim (Dk or Dv) the CUDA kernels take: refinement and the band keep a query's output
     #: in registers (16 values per lane) and its query in shared memory.
@@ -185,7 +206,12 @@ class CudaKernelBackend(_KernelBackend):
 
     @classmethod
     def not_supported_reasons(cls, *inputs: torch.Tensor) -> list[str]:
-        """As the other kernels, plus the head dims the CUDA kernels take (``auto`` then falls back)."""
+        """As the other kernels, plus the head dims the CUDA kernels take (``auto`` then falls back).
+
+        The first CUDA inputs build the CUDA kernels where none are registered (``bert_cluster._cuda_jit``).
+        """
+        if any(tensor.device.type == "cuda" for tensor in inputs):
+            cls._build_on_first_use()
         reasons = super().not_supported_reasons(*inputs)
         dims = [int(t.shape[-1]) for t in inputs if t.dim() == 4]
         if any(d > cls.MAX_HEAD_DIM for d in dims):

@@ -27,6 +27,8 @@ BACKEND = "BERT_CLUSTER_BACKEND"
 DISABLE_KERNELS = "BERT_CLUSTER_DISABLE_KERNELS"
 #: Names the CPU kernel library to load (``x86_64_v3``, or ``x86-64-v3``) instead of the best one.
 CPU_ISA = "BERT_CLUSTER_CPU_ISA"
+#: ``0``: never build the CUDA kernels on first use (where ``_C`` has none and nvcc exists).
+CUDA_JIT = "BERT_CLUSTER_CUDA_JIT"
 #: The folder of the crossover cache (else ``$XDG_CACHE_HOME/bert-cluster``, else ``~/.cache/bert-cluster``).
 CACHE_DIR = "BERT_CLUSTER_CACHE_DIR"
 #: Extra data folders of the evaluator, separated by ``os.pathsep``.
@@ -41,13 +43,15 @@ SKIP_KERNELS = "BERT_CLUSTER_SKIP_KERNELS"
 BUILD_CUDA = "BERT_CLUSTER_BUILD_CUDA"
 NATIVE = "BERT_CLUSTER_NATIVE"
 MARCH = "BERT_CLUSTER_MARCH"
+ONLY_THIS_CPU = "BERT_CLUSTER_ONLY_THIS_CPU"
 
 #: name -> meaning, for documentation and ``bert-cluster env``.
 VARIABLES: dict[str, str] = {
     BACKEND: "the backend of backend='auto': auto, cuda, cpu or reference",
     DISABLE_KERNELS: "set (not 0): the PyTorch reference runs instead of the compiled kernels",
     CPU_ISA: "the CPU kernel library to load (x86_64_v3, ...) instead of the best this CPU runs",
-    CACHE_DIR: "folder of the min_length='auto' crossover cache",
+    CUDA_JIT: "0: never build the CUDA kernels on first use (they build where _C has none and nvcc exists)",
+    CACHE_DIR: "folder of the min_length='auto' crossover cache and the first-use CUDA kernels",
     DATA_DIR: "extra data folders of the evaluator (os.pathsep-separated)",
     CONFIGS: "the evaluator's configs folder",
     SHARED: "the shared checkpoints and data of the tests and benchmarks",
@@ -55,6 +59,7 @@ VARIABLES: dict[str, str] = {
     BUILD_CUDA: "build time: build the CUDA kernels too",
     NATIVE: "build time: compile the CPU kernels with -march=native only",
     MARCH: "build time: compile the CPU kernels for this one ISA",
+    ONLY_THIS_CPU: "build time: only the CPU kernel library of this CPU's x86-64 level (the demo's install)",
 }
 
 
@@ -85,13 +90,18 @@ def backend_key() -> tuple[str | None, str | None]:
     return environ.get(BACKEND), environ.get(DISABLE_KERNELS)
 
 
+def cuda_jit_enabled() -> bool:
+    """``$BERT_CLUSTER_CUDA_JIT`` is not ``0``: the CUDA kernels may build on first use."""
+    return os.environ.get(CUDA_JIT, "").strip() not in ("0", "false", "False", "no")
+
+
 def cpu_isa_override() -> str | None:
     """``$BERT_CLUSTER_CPU_ISA``; None when unset."""
     return _text(CPU_ISA)
 
 
 def cache_dir() -> Path:
-    """The user cache folder of bert-cluster (the crossover figures)."""
+    """The user cache folder of bert-cluster (the crossover figures, the first-use CUDA kernels)."""
     explicit = _text(CACHE_DIR)
     if explicit:
         return Path(explicit).expanduser()

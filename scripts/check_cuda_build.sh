@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI compile gate for the CUDA kernels (no GPU needed): builds bert_cluster._C with CUDA for sm_90 against
 # the CUDA build of torch (a separate venv, .venv-cuda, reused when present), into a temporary folder,
-# then imports it and checks that every op registered a CUDA kernel.
+# then imports it and checks that every op registered a CUDA kernel; then the same sources through the
+# first-use build (bert_cluster._cuda_jit) from a package copy laid out as a wheel.
 #
 # Facts this relies on: torch==2.14.1 (+cu130) matches /usr/local/cuda's nvcc 13.0; the system toolkit
 # lacks cusparse.h, which the pip wheels ship under site-packages/nvidia/cu13/include (setup.py adds it).
@@ -63,3 +64,33 @@ assert not any(missing.values()), f"ops without a kernel: {missing}"
 print(f"check_cuda_build: OK, {len(ops.OPS)} ops registered for CPU ({state['cpu_isa']}) and CUDA "
       f"(torch {torch.__version__}, cuda {torch.version.cuda}, GPU visible: {torch.cuda.is_available()})")
 PY
+
+# The first-use build, a wheel's way to CUDA kernels (bert_cluster._cuda_jit): a package copy with no _C at
+# all and the CUDA sources where a wheel carries them (bert_cluster/kernels), compiled by torch's extension
+# builder into a fresh cache, loaded, and every op's CUDA kernel registered.
+mkdir -p "$WORK/jit"
+cp -r "$ROOT/bert_cluster" "$WORK/jit/bert_cluster"
+rm -f "$WORK/jit/bert_cluster"/_C*.so
+mkdir -p "$WORK/jit/bert_cluster/kernels"
+cp -r "$ROOT/kernels/cuda" "$ROOT/kernels/checks.h" "$WORK/jit/bert_cluster/kernels/"
+cd "$WORK"
+BERT_CLUSTER_CACHE_DIR="$WORK/jit-cache" PYTHONPATH="$WORK/jit" "$PY" - <<'PY' 2>"$WORK/jit.log" || {
+import os
+from pathlib import Path
+
+from bert_cluster import _cuda_jit, _cuda_sources, _loader, ops
+
+assert _cuda_sources.kernels_dir() == Path(os.environ["PYTHONPATH"]) / "bert_cluster" / "kernels"
+assert _cuda_jit.why_not() == "", _cuda_jit.why_not()
+result = _cuda_jit.build()
+assert result["ok"], result["reason"]
+missing = [op for op in ops.KERNEL_OPS if not _loader.has_kernel(op, "CUDA")]
+assert not missing, f"the first-use build registered no CUDA kernel for {missing}"
+print(f"check_cuda_build: OK, first-use build of {len(ops.KERNEL_OPS)} CUDA ops for {result['arch_list']} "
+      f"in {result['seconds']} s")
+PY
+  tail -40 "$WORK/jit.log" >&2
+  for log in "$WORK"/jit-cache/cuda-kernels/*/build-error.log; do [[ -f "$log" ]] && tail -60 "$log" >&2; done
+  echo "check_cuda_build: FAILED, the first-use CUDA build" >&2
+  exit 1
+}

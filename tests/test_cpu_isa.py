@@ -15,6 +15,7 @@ from bert_cluster import _loader, ops
 LIBRARIES = [("x86_64_v4", 4), ("x86_64_v3", 3), ("x86_64", 1)]
 #: Libraries whose CPUs have FMA: their kernels round alike (x86_64, SSE2, has no fused multiply-add).
 FMA_LIBRARIES = ("x86_64_v4", "x86_64_v3")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_best_library_the_cpu_runs_is_chosen() -> None:
@@ -35,6 +36,36 @@ def test_a_requested_library_is_chosen_or_refused_clearly() -> None:
         _loader.choose_cpu_library(LIBRARIES, 3, "x86_64_v4")
     with pytest.raises(ValueError, match="runs none of the CPU kernel libraries"):
         _loader.choose_cpu_library([("x86_64_v4", 4)], 3, None)
+
+
+def _setup_extensions(monkeypatch, **variables: str) -> list[str]:
+    """The extension modules setup.py would build under ``variables`` (nothing compiled)."""
+    import runpy
+
+    import setuptools
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
+    for name in ("BERT_CLUSTER_ONLY_THIS_CPU", "BERT_CLUSTER_MARCH", "BERT_CLUSTER_NATIVE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO)
+    runpy.run_path(str(REPO / "setup.py"))
+    return [extension.name for extension in captured["ext_modules"]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="setup.py reads this CPU's level from /proc")
+def test_a_demo_build_makes_only_the_library_this_cpu_loads(monkeypatch) -> None:
+    state = _loader.load()
+    if not state["loaded"] or state["cpu_level"] < 1 or len(state["cpu_isas"]) < 3:
+        pytest.skip("needs the portable x86-64 build of the test install (three CPU libraries)")
+    everything = _setup_extensions(monkeypatch)
+    assert everything == ["bert_cluster._C", *(f"bert_cluster._C_cpu_{label}" for label, _ in LIBRARIES)]
+    # setup.py's reading of /proc/cpuinfo must pick the library the loader picks by the compiler's builtins.
+    best = _loader.choose_cpu_library(LIBRARIES, state["cpu_level"], None)
+    only = _setup_extensions(monkeypatch, BERT_CLUSTER_ONLY_THIS_CPU="1")
+    assert only == ["bert_cluster._C", f"bert_cluster._C_cpu_{best}"]
 
 
 def test_the_build_listing_is_read() -> None:

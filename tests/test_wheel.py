@@ -120,6 +120,9 @@ def test_wheel_is_abi3_and_carries_kernels_configs_and_data(built):
     assert "bert_cluster/configs/eval/default.yaml" in names
     assert len([n for n in names if n.startswith("bert_cluster/configs/tasks/")]) >= 10
     assert "bert_cluster/data/stsb_dev.tsv.gz" in names
+    # The CUDA sources, for the first-use build on a GPU machine (bert_cluster._cuda_jit).
+    cuda = {f"bert_cluster/kernels/cuda/{p.name}" for p in (REPO / "kernels" / "cuda").iterdir()}
+    assert cuda | {"bert_cluster/kernels/checks.h"} <= names, sorted(cuda - names)
     # The kernels link against this torch's libtorch: the wheel requires that version exactly.
     assert _torch_requirement(wheel) == f"torch=={torch.__version__.split('+')[0]}"
     # The sdist carries the kernel headers setuptools would leave out (the wheel above was built from it).
@@ -137,6 +140,10 @@ def test_installed_wheel_loads_its_own_kernels(venv, tmp_path):
     assert Path(facts["kernels_path"]).resolve().is_relative_to(site), facts["kernels_path"]
     assert facts["kernels_cpu_isas_built"] == CPU_LIBRARIES
     assert facts["auto_backend_cpu"] == "cpu"
+    # The first-use CUDA build finds the wheel's own copy of the sources (no checkout beside it).
+    probe = "from bert_cluster import _cuda_sources as s; print(s.kernels_dir())"
+    found = _run([str(venv / "bin" / "python"), "-c", probe], tmp_path, env, 120).stdout.strip()
+    assert Path(found).resolve().is_relative_to(site) and Path(found).name == "kernels", found
     version = _run([str(venv / "bin" / "bert-cluster"), "--version"], tmp_path, env, 120).stdout
     assert version.strip() == f"bert-cluster {_version()}"
 
