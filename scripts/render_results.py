@@ -646,6 +646,14 @@ TABLES: tuple[Table, ...] = (
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
     ),
     Table(
+        "speed-icelake",
+        ("bench_attention_icelake/targets_fp32.json", "bench_attention_icelake/targets_bf16.json"),
+        (README, BENCHMARKS),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
         "speed-zen5-mixed",
         ("bench_attention_zen5/mixed_fp32.json", "bench_attention_zen5/mixed_bf16.json"),
         (BENCHMARKS,),
@@ -725,6 +733,14 @@ TABLES: tuple[Table, ...] = (
         ("peers/bench_peers.json",),
         (README,),
         "python scripts/bench_peers.py --documents 2 --repeats 2 --memory-cap-gib 10",
+        peers_table,
+    ),
+    Table(
+        "peers-icelake",
+        ("peers_icelake/bench_peers.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
+        "--memory-cap-gib 10 --output FILE",
         peers_table,
     ),
     Table(
@@ -861,6 +877,7 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "inspect_squad_icp/inspect.png": ("the heatmap of the fidelity-inspect i-clustered+ run", FIDELITY),
     "demo_plus/results.md": ("the demo run's own tables (evaluate writes them)", FIDELITY),
     "demo_plus/scores.png": ("the demo run's plot", FIDELITY),
+    "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
     "demo_plus_articles/results.md": ("the articles run's own tables", FIDELITY),
     "fidelity_glue25/results.md": ("that run's own tables", FIDELITY),
     "fidelity_glue25/scores.png": ("that run's plot", FIDELITY),
