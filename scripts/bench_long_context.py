@@ -11,6 +11,10 @@ Models (issue 9, item 5):
   xlmr-large-8k      random weights, XLM-RoBERTa-large with 8,194 positions (BGE-M3's size): 24 layers,
                      hidden 1,024, 16 heads, 4,096 feed-forward, 250,002-token vocabulary.
 
+``--dtype bf16`` casts the model to bfloat16 (torch's own bf16 path for the unmodified one, the kernels'
+bf16 path for the patched one); the cosines then compare each bf16 embedding with the fp32 unmodified
+model's, computed first in the same process (issue 27: at least 0.98).
+
 Besides the JSON, a Markdown table (``.md``, with the load average after each row) and a plot (``.png``)
 are written beside it. Each (model, length) runs in its own process, so one that fails (a family
 ``convert`` refuses, memory) is reported and the rest are still measured. Time: unmodified and patched
@@ -29,6 +33,7 @@ once, such as the kernel library, is not the forward's), measures the forward tw
 
     python scripts/bench_long_context.py                      # everything (about an hour on 2 cores)
     python scripts/bench_long_context.py --models minilm-l6-16k --lengths 1024 2048 --repeats 1
+    python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --dtype bf16 --no-memory
 """
 
 from __future__ import annotations
@@ -61,13 +66,18 @@ MEMORY_FORWARDS = 5
 #: Tokens of the timing processes' warm-up forward: long enough that the patched model clusters (its
 #: "auto" crossover is measured up to 4,096 tokens), so that loading the kernels is not timed.
 WARMUP_TOKENS = 4096
-#: Issue 9's targets: minimum speedup at a length (and memory no higher than unmodified everywhere).
+#: The targets per dtype: minimum speedup at a length (and memory no higher than unmodified everywhere):
+#: issue 9's in fp32, issue 27's in bf16 (over torch's own bf16 SDPA).
 TARGETS = {
-    ("minilm-l6-16k", 8192): 3.5,
-    ("minilm-l6-16k", 16384): 6.0,
-    ("modernbert-base", 8192): 3.0,
-    ("xlmr-large-8k", 8192): 2.0,
+    "fp32": {
+        ("minilm-l6-16k", 8192): 3.5,
+        ("minilm-l6-16k", 16384): 6.0,
+        ("modernbert-base", 8192): 3.0,
+        ("xlmr-large-8k", 8192): 2.0,
+    },
+    "bf16": {("minilm-l6-16k", 8192): 5.0, ("minilm-l6-16k", 16384): 8.0},
 }
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,7 +230,16 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     def forward(ids) -> torch.Tensor:
         with torch.inference_mode():
-            return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state.mean(1)[0]
+            hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+            return hidden.float().mean(1)[0]
+
+    dtype = job.get("dtype", "fp32")
+    # In bf16 the cosines compare with the fp32 unmodified model's embeddings, computed before the cast.
+    reference = None
+    if dtype != "fp32":
+        if job["mode"] == "time":
+            reference = [forward(document) for document in documents]
+        model = model.to(getattr(torch, DTYPES[dtype]))
 
     def patch(on: bool) -> None:
         converted = getattr(model.config, "clustered_attention", None) is not None
@@ -281,13 +300,17 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                 patch(False)
                 if repeat == 0:
                     embeddings[variant].append(vector)
+
+    def cosines(vectors: list[torch.Tensor], to: list[torch.Tensor]) -> list[float]:
+        similarity = torch.nn.functional.cosine_similarity
+        return [float(similarity(a, b, dim=0)) for a, b in zip(to, vectors, strict=True)]
+
     out["sdpa_s"] = times["sdpa"]
+    if reference is not None:
+        out["sdpa_cosine"] = cosines(embeddings["sdpa"], reference)  # torch's bf16 against its fp32
     if "patched" in times:
         out["patched_s"] = times["patched"]
-        out["cosine"] = [
-            float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-            for a, b in zip(embeddings["sdpa"], embeddings["patched"], strict=True)
-        ]
+        out["cosine"] = cosines(embeddings["patched"], embeddings["sdpa"] if reference is None else reference)
     return out
 
 
@@ -323,10 +346,14 @@ def load_average() -> list[float] | None:
 
 
 def summarise(
-    model: str, length: int, timing: dict[str, Any], memory: dict[str, dict[str, Any]]
+    model: str,
+    length: int,
+    timing: dict[str, Any],
+    memory: dict[str, dict[str, Any]],
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """One row of the table (None where a part failed)."""
-    row: dict[str, Any] = {"model": model, "length": length, "errors": {}}
+    row: dict[str, Any] = {"model": model, "length": length, "dtype": dtype, "errors": {}}
     if "error" in timing:
         row["errors"]["time"] = timing["error"]
     elif timing:
@@ -341,6 +368,8 @@ def summarise(
                 cosine_mean=statistics.fmean(timing["cosine"]),
                 cosine_min=min(timing["cosine"]),
             )
+        if "sdpa_cosine" in timing:
+            row["sdpa_cosine_min"] = min(timing["sdpa_cosine"])
     for variant, result in memory.items():
         if "error" in result:
             row["errors"][f"memory_{variant}"] = result["error"]
@@ -354,7 +383,7 @@ def summarise(
         if "tensor_peak_bytes" in result:
             row[f"{variant}_tensor_peak_bytes"] = result["tensor_peak_bytes"]
             row[f"{variant}_tensor_peak_mib"] = result["tensor_peak_bytes"] / 2**20
-    target = TARGETS.get((model, length))
+    target = TARGETS[dtype].get((model, length))
     if target is not None:
         row["target_speedup"] = target
     if target is not None and timing:
@@ -370,6 +399,12 @@ def summarise(
 
 def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def label(row: dict[str, Any]) -> str:
+    """The model's name, and its dtype where it is not fp32."""
+    dtype = row.get("dtype", "fp32")
+    return row["model"] if dtype == "fp32" else f"{row['model']} ({dtype})"
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -390,7 +425,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         target = row.get("target_speedup")
         lines.append(
             (
-                row["model"],
+                label(row),
                 str(row["length"]),
                 fmt(row.get("sdpa_s"), ".2f"),
                 fmt(row.get("patched_s"), ".2f"),
@@ -444,7 +479,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         )
         load = row.get("load_average")
         lines.append(
-            f"| {row['model']} | {row['length']:,} | {fmt(row.get('sdpa_s'), '.2f')} | "
+            f"| {label(row)} | {row['length']:,} | {fmt(row.get('sdpa_s'), '.2f')} | "
             f"{fmt(row.get('patched_s'), '.2f')} | {speedup} | {cosine} | {tensors} | {memory} | "
             f"{'-' if not load else format(load[0], '.1f')} |"
         )
@@ -471,7 +506,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         left.plot(
             lengths, [row["patched_s"] for row in mine], marker="o", color=line.get_color(), label=model
         )
-        for (m, length), target in TARGETS.items():
+        for (m, length), target in TARGETS[mine[0].get("dtype", "fp32")].items():
             if m == model:
                 right.plot([length], [target], marker="_", markersize=18, color=line.get_color())
     for axes in (left, right):
@@ -551,9 +586,10 @@ def summarise_files(paths: list[Path], output: Path) -> None:
                 }
             )
             timing = row.get("raw") or {"error": row["errors"].get("time", "not measured")}
+            dtype = row.get("dtype", (data.get("settings") or {}).get("dtype", "fp32"))
             rows.append(
                 {
-                    **summarise(row["model"], row["length"], timing, memory),
+                    **summarise(row["model"], row["length"], timing, memory, dtype),
                     "load_average": row.get("load_average"),
                 }
             )
@@ -580,6 +616,7 @@ def main() -> None:
         "--documents", type=int, default=3, help="documents per length (minilm; random models: 1)"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the model's dtype")
     parser.add_argument("--clusters", type=int, help="convert(clusters=...) (default: convert's own)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--no-time", action="store_true", help="skip the timing processes (memory only)")
@@ -629,6 +666,7 @@ def main() -> None:
                 "cache": args.cache,
                 "folder": args.minilm_16k,
                 "documents": document.get(model, 1),
+                "dtype": args.dtype,
             }
             timing = {}
             if not args.no_time:
@@ -652,7 +690,9 @@ def main() -> None:
                         },
                         args.timeout,
                     )
-            rows.append({**summarise(model, length, timing, memory), "load_average": load_average()})
+            rows.append(
+                {**summarise(model, length, timing, memory, args.dtype), "load_average": load_average()}
+            )
             result["load_average_end"] = load_average()
             result["wall_s"] = time.perf_counter() - began
             args.output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")  # partial results

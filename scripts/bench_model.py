@@ -7,11 +7,14 @@ claim checked: ``auto`` is never slower than ``sdpa`` at any length or batch siz
 
 Inputs: random token ids, ``--batch`` rows of ``--lengths`` tokens, no padding, or ``--padding mixed``
 (rows of uniformly drawn lengths between half and all of the length, right-padded: what an evaluation
-feeds). Time: median over interleaved repeats of one forward pass (inference mode), after a warm-up
-(which also makes ``auto`` measure its crossover once; the figure is printed). Prints a table, writes JSON.
+feeds). ``--dtype bf16`` casts every variant's model to bfloat16 before ``convert`` (torch's own bf16 path
+for the unmodified one). Time: median over interleaved repeats of one forward pass (inference mode), after
+a warm-up (which also makes ``auto`` measure its crossover once; the figure is printed). Prints a table,
+writes JSON.
 
     python scripts/bench_model.py --threads 2 --output results/bench_model.json
     python scripts/bench_model.py --model /tmp/w5-models/minilm-l6-16k --lengths 1024 2048 4096 --batches 1
+    python scripts/bench_model.py --dtype bf16 --lengths 128 256 384 512 --variants sdpa auto
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 VARIANTS = ("sdpa", "auto", "i-clustered", "clustered", "ref-i-clustered")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_VARIANTS = ("sdpa", "auto", "i-clustered", "clustered")
 
 
@@ -38,13 +42,15 @@ def default_model() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-def load(variant: str, path: Path, clusters: int, topk: int):
-    """The model with ``variant``'s attention."""
+def load(variant: str, path: Path, clusters: int, topk: int, dtype: str = "fp32"):
+    """The model, in ``dtype``, with ``variant``'s attention."""
+    import torch
     import transformers
 
     import bert_cluster
 
     model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    model = model.to(getattr(torch, DTYPES[dtype]))
     if variant == "sdpa":
         return model
     if variant == "auto":
@@ -78,6 +84,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     parser.add_argument("--clusters", type=int, default=25)
     parser.add_argument("--topk", type=int, default=32)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="the models' dtype")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output", type=Path, default=Path("results/bench_model.json"))
@@ -89,7 +96,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     path = args.model or default_model()
-    models = {variant: load(variant, path, args.clusters, args.topk) for variant in args.variants}
+    models = {variant: load(variant, path, args.clusters, args.topk, args.dtype) for variant in args.variants}
     config = models[args.variants[0]].config
     positions = getattr(config, "max_position_embeddings", max(args.lengths))
     generator = torch.Generator().manual_seed(0)
@@ -152,7 +159,7 @@ def main() -> None:
         "kernels_loaded": info["kernels_loaded"],
         "kernels_cpu_isa": info.get("kernels_cpu_isa"),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "settings": {"clusters": args.clusters, "topk": args.topk},
+        "settings": {"clusters": args.clusters, "topk": args.topk, "dtype": args.dtype},
         "auto_crossovers": measured,
         "timing": f"median of {args.repeats} interleaved forward passes after one warm-up; "
         "x sdpa = median of same-repeat ratios",

@@ -168,6 +168,54 @@ def attention_table(methods: Sequence[str], by_dtype: bool = True, with_settings
     return render
 
 
+#: Issue 27's targets for one attention call, i-clustered and i-clustered+ alike, in fp32 and bf16.
+CALL_TARGETS = {128: 1.5, 512: 6.0, 4096: 40.0}
+
+
+def cpu_speed_table(cpus: Sequence[tuple[str, int]]):
+    """One row per (dtype, N), one column per CPU kind: i-clustered's and i-clustered+'s × SDPA, the lower
+    over that CPU's runs; ``cpus`` names each CPU kind and how many of the sources (in order) are its."""
+
+    def render(results: list[dict]) -> list[str]:
+        if sum(count for _, count in cpus) != len(results):
+            raise ValueError(f"cpu_speed_table: {len(results)} files for {cpus}")
+        by_cpu, start = [], 0
+        for name, count in cpus:
+            by_cpu.append((name, results[start : start + count]))
+            start += count
+        header = ["N", "dtype"] + [f"{name}: i-clustered / i-clustered+" for name, _ in by_cpu] + ["target"]
+        rows = []
+        for dtype in ("fp32", "bf16"):
+            for n in sorted(CALL_TARGETS):
+                row = [tokens(n), dtype]
+                for _, runs_of_cpu in by_cpu:
+                    mine = [r for r in runs_of_cpu if DTYPES[r["shape"]["dtype"]] == dtype]
+                    cells = []
+                    for method in ("kernel-i-clustered", "kernel-i-clustered+"):
+                        found = [attention_row(r, n, method) for r in mine]
+                        lowest = min((f["speedup_vs_sdpa"] for f in found if f), default=None)
+                        cells.append("–" if lowest is None else times(lowest))
+                    row.append(" / ".join(cells))
+                row.append(f"≥ {times(CALL_TARGETS[n])}")
+                rows.append(row)
+        isas = []
+        for name, runs_of_cpu in by_cpu:
+            first = runs_of_cpu[0]
+            dates = sorted({r["date"][:10] for r in runs_of_cpu})
+            isa = first["kernels"].get("kernels_cpu_isa", "?")
+            isas.append(
+                f"{name}: {first['machine'].get('processor', '?')}, kernels {isa}, "
+                f"{runs(len(runs_of_cpu))} of {', '.join(dates)}"
+            )
+        caption = (
+            "× torch's SDPA in the same run and dtype (the lower where a CPU has more runs per dtype); "
+            "2 threads, 1 row, 12 heads × 64, C = 25, k = 32. " + "; ".join(isas) + "."
+        )
+        return table(header, ["r", "l"] + ["r"] * (len(by_cpu) + 1), rows) + ["", caption]
+
+    return render
+
+
 def cost_table(results: list[dict]) -> list[str]:
     """i-clustered+ against i-clustered, back to back (bench_attention's cost_vs_i_clustered)."""
     (result,) = results
@@ -217,16 +265,59 @@ def model_table(results: list[dict]) -> list[str]:
             )
     header = ["batch × tokens", "SDPA ms"] + [f"{names.get(v, v)} × SDPA" for v in variants]
     crossovers = sorted(set(result.get("auto_crossovers", {}).values()))
+    dtype = result.get("settings", {}).get("dtype")
+    model = "all-MiniLM-L6-v2" if dtype is None else f"all-MiniLM-L6-v2 in {dtype}"
+    timing = result["timing"].split(";")[0]
     caption = (
-        f"all-MiniLM-L6-v2, {result['threads']} threads, kernels {result.get('kernels_cpu_isa', '?')}, torch "
-        f"{result.get('torch_cpu_capability', '?')}; {result['timing']}; `auto` measured its crossover at "
-        f"{', '.join(map(str, crossovers))} tokens; {result['date'][:10]}."
+        f"{model}, {result['threads']} threads, kernels {result.get('kernels_cpu_isa', '?')}, torch "
+        f"{result.get('torch_cpu_capability', '?')}; {timing}; × SDPA: the ratio of the medians; `auto` "
+        f"measured its crossover at {', '.join(map(str, crossovers))} tokens; {result['date'][:10]}."
     )
     return table(header, "l" + "r" * (len(header) - 1), rows) + ["", caption]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # scripts/bench_long_context.py
+
+
+def long_dtype_table(results: list[dict]) -> list[str]:
+    """One model in fp32 and bf16 (timing runs): speed against the unmodified model in the same dtype, and
+    the embeddings' cosine to the fp32 unmodified model's."""
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            target = f" (≥ {row['target_speedup']:.1f}×)" if "target_speedup" in row else ""
+            torch_cosine = f"{row['sdpa_cosine_min']:.4f}" if "sdpa_cosine_min" in row else "1 (itself)"
+            rows.append(
+                [
+                    row.get("dtype", "fp32"),
+                    tokens(row["length"]),
+                    f"{row['sdpa_s']:.2f}",
+                    f"{row['patched_s']:.2f}",
+                    f"**{times(row['speedup'])}**{target}",
+                    f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                    torch_cosine,
+                ]
+            )
+    header = [
+        "dtype",
+        "tokens",
+        "unmodified s/doc",
+        "patched s/doc",
+        "speedup (target)",
+        "patched cosine to fp32 unmodified, mean / min",
+        "unmodified's own, min",
+    ]
+    first = results[0]
+    environment = first["environment"]
+    settings = first["settings"]
+    caption = (
+        f"{', '.join(sorted({r['rows'][0]['model'] for r in results}))}, {environment['threads']} threads, "
+        f"{settings['documents']} documents × {settings['repeats']} repeats per length, convert's defaults; "
+        f"torch {environment['torch']}; {', '.join(sorted({r['environment']['date'][:10] for r in results}))}"
+        "."
+    )
+    return table(header, "lrrrrrr", rows) + ["", caption]
 
 
 def long_context_table(results: list[dict]) -> list[str]:
@@ -631,27 +722,71 @@ SQUAD_HALF = (
     "--data-dir ../shared/models/minilm-l6-squad/eval --runs MODE:C:SEED ... --output FILE"
 )
 
+#: The per-CPU files of the one-call speed tables, in the order cpu_speed_table reads them.
+SPEED_FILES = {
+    "Zen 5": (
+        "bench_attention_zen5/targets_fp32_1.json",
+        "bench_attention_zen5/targets_fp32_2.json",
+        "bench_attention_zen5/targets_bf16_1.json",
+        "bench_attention_zen5/targets_bf16_2.json",
+    ),
+    "Ice Lake": ("bench_attention_icelake/targets_fp32.json", "bench_attention_icelake/targets_bf16.json"),
+    "Emerald Rapids": (
+        "bench_attention_emerald/targets_fp32.json",
+        "bench_attention_emerald/targets_bf16.json",
+    ),
+}
+TARGETS_COMMAND = (
+    f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked --no-memory --dtype fp32|bf16 --output FILE"
+)
+
 TABLES: tuple[Table, ...] = (
     Table(
+        "speed-cpus",
+        tuple(path for paths in SPEED_FILES.values() for path in paths),
+        (README,),
+        f"{TARGETS_COMMAND} (--repeats 40, two runs each, on the Zen 5; --repeats 20 on the others)",
+        cpu_speed_table([(name, len(paths)) for name, paths in SPEED_FILES.items()]),
+    ),
+    Table(
         "speed-zen5",
-        (
-            "bench_attention_zen5/targets_fp32_1.json",
-            "bench_attention_zen5/targets_fp32_2.json",
-            "bench_attention_zen5/targets_bf16_1.json",
-            "bench_attention_zen5/targets_bf16_2.json",
-        ),
-        (README, BENCHMARKS),
+        SPEED_FILES["Zen 5"],
+        (BENCHMARKS,),
         f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
         "--repeats 40 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
     ),
     Table(
         "speed-icelake",
-        ("bench_attention_icelake/targets_fp32.json", "bench_attention_icelake/targets_bf16.json"),
-        (README, BENCHMARKS),
+        SPEED_FILES["Ice Lake"],
+        (BENCHMARKS,),
         f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
         "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "speed-emerald",
+        SPEED_FILES["Emerald Rapids"],
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "long-emerald",
+        ("long_context_emerald/long_fp32.json", "long_context_emerald/long_bf16.json"),
+        (BENCHMARKS,),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
+        "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
+        long_dtype_table,
+    ),
+    Table(
+        "model-emerald-bf16",
+        ("bench_model_emerald_bf16.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_model.py --threads 2 --repeats 7 --lengths 64 128 256 384 512 --batches 1 8 "
+        "--variants sdpa auto i-clustered --dtype bf16 --output FILE",
+        model_table,
     ),
     Table(
         "speed-zen5-mixed",

@@ -48,18 +48,22 @@ def test_a_changed_figure_makes_the_check_fail_and_rendering_fixes_it(tmp_path, 
     source = root / "docs/results/bench_attention_zen5/targets_fp32_1.json"
     result = json.loads(source.read_text(encoding="utf-8"))
     row = next(r for r in result["rows"] if r["n"] == 512 and r["method"] == "kernel-i-clustered")
-    assert "0.84 / 0.87" in (root / "README.md").read_text(encoding="utf-8")
+    benchmarks = root / "docs/benchmarks.md"
+    assert "0.84 / 0.87" in benchmarks.read_text(encoding="utf-8")
+    assert "| 512 | fp32 | 6.28× / 5.07× |" in (root / "README.md").read_text(encoding="utf-8")
     row["median_ms"] = 0.91
+    row["speedup_vs_sdpa"] = 5.5  # below the other run's 6.28: the README shows the lower
     source.write_text(json.dumps(result), encoding="utf-8")
 
     assert render_results.main(["--check", "--root", str(root)]) == 1
     stale = capsys.readouterr().err
-    assert "README.md: table 'speed-zen5' differs" in stale
+    assert "README.md: table 'speed-cpus' differs" in stale
     assert "docs/benchmarks.md: table 'speed-zen5' differs" in stale
     assert "long-documents" not in stale  # only the tables made from that file
 
     assert render_results.main(["--root", str(root)]) == 0  # rewrites the regions
-    assert "0.91 / 0.87" in (root / "README.md").read_text(encoding="utf-8")
+    assert "0.91 / 0.87" in benchmarks.read_text(encoding="utf-8")
+    assert "| 512 | fp32 | 5.50× / 5.07× |" in (root / "README.md").read_text(encoding="utf-8")
     assert render_results.main(["--check", "--root", str(root)]) == 0
 
 
