@@ -773,6 +773,14 @@ TABLES: tuple[Table, ...] = (
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
     ),
     Table(
+        "speed-emerald-mixed",
+        ("bench_attention_emerald/mixed_fp32.json", "bench_attention_emerald/mixed_bf16.json"),
+        (BENCHMARKS,),
+        f"{BENCH} --mixed --lengths 512 4096 {THREE} --order blocked --repeats 7 --no-memory "
+        "--dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
         "long-emerald",
         ("long_context_emerald/long_fp32.json", "long_context_emerald/long_bf16.json"),
         (BENCHMARKS,),
