@@ -2,7 +2,7 @@
 // in Python as ValueError / TypeError, with a message saying what was wrong and what is allowed.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace bert_cluster {
 

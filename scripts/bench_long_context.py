@@ -302,8 +302,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                     embeddings[variant].append(vector)
 
     def cosines(vectors: list[torch.Tensor], to: list[torch.Tensor]) -> list[float]:
+        # In float64: an fp32 cosine of two equal vectors can read 1.0000001.
         similarity = torch.nn.functional.cosine_similarity
-        return [float(similarity(a, b, dim=0)) for a, b in zip(to, vectors, strict=True)]
+        return [float(similarity(a.double(), b.double(), dim=0)) for a, b in zip(to, vectors, strict=True)]
 
     out["sdpa_s"] = times["sdpa"]
     if reference is not None:

@@ -74,7 +74,7 @@ def test_bf16_runs_compare_with_the_fp32_unmodified_model(tiny_bench):
     # patched cosine is taken against that same fp32 embedding.
     assert len(out["sdpa_cosine"]) == len(out["cosine"]) == 2
     assert all(0.99 < c < 1.0 for c in out["sdpa_cosine"]), out["sdpa_cosine"]
-    assert all(0.9 < c <= 1.0 for c in out["cosine"]), out["cosine"]
+    assert all(0.9 < c <= 1.0 + 1e-12 for c in out["cosine"]), out["cosine"]
 
 
 def test_fp32_runs_compare_patched_with_unmodified_in_the_same_run(tiny_bench):
@@ -82,7 +82,8 @@ def test_fp32_runs_compare_patched_with_unmodified_in_the_same_run(tiny_bench):
     out = bench.worker(job("fp32"))
     assert next(built[0].parameters()).dtype == torch.float32
     assert "sdpa_cosine" not in out
-    assert all(0.9 < c <= 1.0 for c in out["cosine"]), out["cosine"]
+    # float64 cosines (an fp32 one read 1.0000001 on a Zen 3): 1 up to float64 round-off at most.
+    assert all(0.9 < c <= 1.0 + 1e-12 for c in out["cosine"]), out["cosine"]
 
 
 def test_targets_follow_the_dtype():

@@ -2,8 +2,7 @@
 // window and j is valid (see reference.banded_attention). One task per (row, head, block of 16 or 32
 // consecutive queries): the queries are the vector lanes (lanes.h), the keys those of the block's band,
 // in tiles with an online softmax, so time and memory are O(N * window): no (N, N) scores anywhere.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -12,6 +11,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -110,7 +110,7 @@ at::Tensor banded_attention_cpu(const at::Tensor& queries, const at::Tensor& key
   const int64_t dk = queries.size(3), dv = values.size(3);
   const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor ok = valid.contiguous();
-  at::Tensor out = at::empty({rows, heads, n, dv}, queries.options().dtype(at::kFloat));
+  at::Tensor out = empty_tensor({rows, heads, n, dv}, queries.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
   std::vector<int64_t> lo(rows), hi(rows);
   valid_spans(ok.data_ptr<bool>(), rows, n, lo.data(), hi.data());
@@ -125,7 +125,5 @@ at::Tensor banded_attention_cpu(const at::Tensor& queries, const at::Tensor& key
                [&](int64_t begin, int64_t end) { band_tasks(job, begin, end); });
   return out;
 }
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("banded_attention", &banded_attention_cpu); }
 
 }  // namespace bert_cluster

@@ -3,7 +3,7 @@
 // that one function switches on, calling the kernel's template for that dtype.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -15,6 +15,10 @@
 #include "../checks.h"
 
 namespace bert_cluster {
+
+// at::empty and at::zeros (tensors.cpp): the kernels' only factory calls.
+at::Tensor empty_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
+at::Tensor zeros_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // An allocator on cache lines (64 bytes), for the kernels' scratch: a 16-float vector read at a multiple
 // of 16 floats from it never straddles two lines, as in torch's own 64-byte aligned tensors (malloc aligns

@@ -1,7 +1,6 @@
 // hash_queries and hamming_kmeans on the CPU (see bert_cluster/reference.py for the rules reproduced).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -16,6 +15,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "steps.h"
 #include "vec.h"
@@ -656,7 +656,7 @@ at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes,
   const at::Tensor q = last_dim_contiguous(queries);
   const int64_t bits = planes.size(0), dk = queries.size(3);
   const PaddedPlanes padded = padded_planes(planes, offsets, dk);
-  at::Tensor out = at::empty(queries.sizes().slice(0, 3), queries.options().dtype(at::kLong));
+  at::Tensor out = empty_tensor(queries.sizes().slice(0, 3), queries.options().dtype(at::kLong));
   const int64_t count = out.numel();
   if (count == 0) return out;
   HashJob job{Rows::of(q), input_type(q), padded.planes_t.data(), padded.offsets.data(), queries.size(1),
@@ -673,8 +673,8 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cpu(const at::Tensor& hashes, 
   const at::Tensor h = hashes.contiguous();
   const at::Tensor v = valid.contiguous();
   const int64_t rows = h.size(0), heads = h.size(1), n = h.size(2);
-  at::Tensor assignments = at::empty({rows, heads, n}, h.options());
-  at::Tensor centroids = at::empty({rows, heads, clusters}, h.options());
+  at::Tensor assignments = empty_tensor({rows, heads, n}, h.options());
+  at::Tensor centroids = empty_tensor({rows, heads, clusters}, h.options());
   const int64_t* hp = h.data_ptr<int64_t>();
   const bool* vp = v.data_ptr<bool>();
   int64_t* ap = assignments.data_ptr<int64_t>();
@@ -687,11 +687,6 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cpu(const at::Tensor& hashes, 
     }
   });
   return {assignments, centroids};
-}
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
-  m.impl("hash_queries", &hash_queries_cpu);
-  m.impl("hamming_kmeans", &hamming_kmeans_cpu);
 }
 
 }  // namespace bert_cluster

@@ -4,8 +4,7 @@
 // padded queries (-1) stay -1, stop at a fixed point. Means are summed in query order, as the reference's
 // index_add_, so the centroids of one partition agree bit for bit; the dot products are summed in
 // another order than the reference's GEMM, so a query within a few ulps of a tie may pick the other side.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +15,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "steps.h"
 #include "vec.h"
@@ -285,8 +285,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lloyd_refine_cpu(const at::Tensor
       queries.scalar_type() == at::kFloat ? last_dim_contiguous(queries) : queries.to(at::kFloat).contiguous();
   const Rows qrows = Rows::of(q);
   at::Tensor assign = assignments.contiguous().clone();
-  at::Tensor centroids = at::empty({rows, heads, clusters, dk}, q.options());
-  at::Tensor counts = at::empty({rows, heads, clusters}, q.options());
+  at::Tensor centroids = empty_tensor({rows, heads, clusters, dk}, q.options());
+  at::Tensor counts = empty_tensor({rows, heads, clusters}, q.options());
   int64_t* ap = assign.data_ptr<int64_t>();
   float* cp_ = centroids.data_ptr<float>();
   float* np_ = counts.data_ptr<float>();
@@ -304,7 +304,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lloyd_refine_cpu(const at::Tensor
                });
   return {assign, centroids, counts};
 }
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("lloyd_refine", &lloyd_refine_cpu); }
 
 }  // namespace bert_cluster

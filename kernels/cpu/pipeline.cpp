@@ -7,8 +7,7 @@
 // split across threads (at 512 tokens the separate centroid step stayed on one thread). Otherwise (one
 // long row of few heads, or heads too large for the cache) each step runs its own parallel loop, as the
 // separate ops do, without their Python round trips.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +18,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "steps.h"
 
@@ -97,22 +97,22 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   const bool widen_heads = plus && narrow;
   const auto i64 = queries.options().dtype(at::kLong);
   const auto f32 = queries.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({rows, heads, n, dv}, f32);
+  at::Tensor out = empty_tensor({rows, heads, n, dv}, f32);
   if (out.numel() == 0 || n == 0) return out.zero_();
   const PaddedPlanes padded = padded_planes(planes, offsets, dk);
-  at::Tensor hashes = at::empty({rows, heads, n}, i64);
-  at::Tensor assign = at::empty({rows, heads, n}, i64);
-  at::Tensor centroid_hashes = at::empty({rows, heads, clusters}, i64);
+  at::Tensor hashes = empty_tensor({rows, heads, n}, i64);
+  at::Tensor assign = empty_tensor({rows, heads, n}, i64);
+  at::Tensor centroid_hashes = empty_tensor({rows, heads, clusters}, i64);
   // Not zero-filled here (a memset of every head on the calling thread): each head's task writes its own
   // centroids and counts (group_heads clears them first, Lloyd's rounds write them), and centroid
   // attention its mass and top-k values, except with k = 0, whose refinement still reads them as zeros.
-  at::Tensor centroids = at::empty({rows, heads, clusters, dk}, f32);
-  at::Tensor counts = at::empty({rows, heads, clusters}, f32);
-  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, f32);
-  at::Tensor indices = at::empty({rows, heads, clusters, k}, i64);
-  at::Tensor mass = k > 0 ? at::empty({rows, heads, clusters}, f32) : at::zeros({rows, heads, clusters}, f32);
+  at::Tensor centroids = empty_tensor({rows, heads, clusters, dk}, f32);
+  at::Tensor counts = empty_tensor({rows, heads, clusters}, f32);
+  at::Tensor centroid_values = empty_tensor({rows, heads, clusters, dv}, f32);
+  at::Tensor indices = empty_tensor({rows, heads, clusters, k}, i64);
+  at::Tensor mass = k > 0 ? empty_tensor({rows, heads, clusters}, f32) : zeros_tensor({rows, heads, clusters}, f32);
   at::Tensor top_values =
-      k > 0 ? at::empty({rows, heads, clusters, dv}, f32) : at::zeros({rows, heads, clusters, dv}, f32);
+      k > 0 ? empty_tensor({rows, heads, clusters, dv}, f32) : zeros_tensor({rows, heads, clusters, dv}, f32);
 
   const bool* okp = ok.data_ptr<bool>();
   int64_t* hp = hashes.data_ptr<int64_t>();
@@ -239,7 +239,5 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                });
   return out;
 }
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("clustered_heads", &clustered_heads_cpu); }
 
 }  // namespace bert_cluster

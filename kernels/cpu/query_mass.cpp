@@ -5,8 +5,7 @@
 //   R(x)      = s x . mu_j + s^2 / 2 x^2 . var_j   (mu, var: mean and variance of the valid keys outside T)
 //   out_i     = m_i softmax_T(s q_i . K) V_T + (1 - m_i) (Vc_j - Vtop_j) / (1 - m_j),  m_i = 1 / (1 + rho_i)
 // Softmax and accumulation in float32.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +17,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "steps.h"
 #include "vec.h"
@@ -461,7 +461,7 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   const at::Tensor ok = valid.contiguous();
   const at::Tensor a = assignments.contiguous(), cen = centroids.contiguous(), cv = centroid_values.contiguous();
   const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
-  at::Tensor out = at::empty({rows, heads, n, dv}, q.options());  // every row is written below
+  at::Tensor out = empty_tensor({rows, heads, n, dv}, q.options());  // every row is written below
   if (out.numel() == 0) return out;
 
   QueryMassJob job{Rows::of(q), Rows::of(kf), Rows::of(vf), ok.data_ptr<bool>(), a.data_ptr<int64_t>(),
@@ -472,7 +472,5 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
                [&](int64_t begin, int64_t end) { query_mass_heads(job, begin, end); });
   return out;
 }
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) { m.impl("refine_with_query_mass", &refine_with_query_mass_cpu); }
 
 }  // namespace bert_cluster

@@ -8,9 +8,8 @@
 // cluster's top-k keys transposed once (16 x 16 register transposes) and every member scored against them
 // as a small dense block, eight members at a time (two below AVX-512); a cluster of at most
 // kRowScoreMembers members is scored from its key rows instead (row_scores, lanes.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,6 +19,7 @@
 #include "../checks.h"
 #include "common.h"
 #include "lanes.h"
+#include "ops.h"
 #include "parallel.h"
 #include "steps.h"
 #include "vec.h"
@@ -538,8 +538,8 @@ std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, 
   const at::Tensor q = last_dim_contiguous(queries);
   const at::Tensor a = assignments.contiguous();
   const auto f32 = queries.options().dtype(at::kFloat);
-  at::Tensor sums = at::zeros({rows, heads, clusters, dk}, f32);
-  at::Tensor counts = at::zeros({rows, heads, clusters}, f32);
+  at::Tensor sums = zeros_tensor({rows, heads, clusters, dk}, f32);
+  at::Tensor counts = zeros_tensor({rows, heads, clusters}, f32);
   if (rows * heads == 0) return {sums, counts};
   GroupJob job{Rows::of(q), input_type(q), a.data_ptr<int64_t>(), heads, n, clusters, dk,
                sums.data_ptr<float>(), counts.data_ptr<float>()};
@@ -558,10 +558,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
   const at::Tensor kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor ok = valid.contiguous();
   const auto f32 = keys.options().dtype(at::kFloat);
-  at::Tensor centroid_values = at::empty({rows, heads, clusters, dv}, f32);
-  at::Tensor indices = at::empty({rows, heads, clusters, k}, keys.options().dtype(at::kLong));
-  at::Tensor mass = at::zeros({rows, heads, clusters}, f32);
-  at::Tensor top_values = at::zeros({rows, heads, clusters, dv}, f32);
+  at::Tensor centroid_values = empty_tensor({rows, heads, clusters, dv}, f32);
+  at::Tensor indices = empty_tensor({rows, heads, clusters, k}, keys.options().dtype(at::kLong));
+  at::Tensor mass = zeros_tensor({rows, heads, clusters}, f32);
+  at::Tensor top_values = zeros_tensor({rows, heads, clusters, dv}, f32);
   if (rows * heads * clusters == 0) return {centroid_values, indices, mass, top_values};
   std::vector<int64_t> lo(rows), hi(rows);
   valid_spans(ok.data_ptr<bool>(), rows, n, lo.data(), hi.data());
@@ -589,7 +589,7 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor a = assignments.contiguous(), cv = centroid_values.contiguous();
   const at::Tensor ti = topk_indices.contiguous(), tm = topk_mass.contiguous(), tv = topk_values.contiguous();
-  at::Tensor out = at::empty({rows, heads, n, dv}, queries.options().dtype(at::kFloat));  // every row is written
+  at::Tensor out = empty_tensor({rows, heads, n, dv}, queries.options().dtype(at::kFloat));  // every row is written
   if (out.numel() == 0) return out;
   RefineJob job{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), a.data_ptr<int64_t>(),
                 cv.data_ptr<float>(), tm.data_ptr<float>(), tv.data_ptr<float>(), ti.data_ptr<int64_t>(),
@@ -604,7 +604,7 @@ at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::T
   const int64_t rows = assignments.size(0), heads = assignments.size(1), n = assignments.size(2);
   const int64_t clusters = centroid_values.size(2), dv = centroid_values.size(3);
   const at::Tensor cv = centroid_values.contiguous(), a = assignments.contiguous();
-  at::Tensor out = at::empty({rows, heads, n, dv}, cv.options());
+  at::Tensor out = empty_tensor({rows, heads, n, dv}, cv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, cv.scalar_type(), "broadcast_clusters_cpu", [&] {
     const scalar_t* cvp = cv.data_ptr<scalar_t>();
     const int64_t* ap = a.data_ptr<int64_t>();
@@ -624,13 +624,6 @@ at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::T
     });
   });
   return out;
-}
-
-TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
-  m.impl("group_queries", &group_queries_cpu);
-  m.impl("centroid_attention", &centroid_attention_cpu);
-  m.impl("topk_refine", &topk_refine_cpu);
-  m.impl("broadcast_clusters", &broadcast_clusters_cpu);
 }
 
 }  // namespace bert_cluster

@@ -4,7 +4,7 @@
 // step of a head in cache. The same functions in both: the fused op gives the steps' results bit for bit.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

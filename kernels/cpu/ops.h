@@ -1,0 +1,51 @@
+// The CPU ops' entry points, one per schema in kernels/module.cpp, registered with the dispatcher by
+// register.cpp alone: torch/library.h (and ATen/ATen.h, which the kernels do not need) are the costly
+// headers of a build, so the kernel sources include only ATen's tensor and the few ops they call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace bert_cluster {
+
+at::Tensor banded_attention_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                const at::Tensor& valid, int64_t window, double scaling);
+
+at::Tensor hash_queries_cpu(const at::Tensor& queries, const at::Tensor& planes, const at::Tensor& offsets);
+
+std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cpu(const at::Tensor& hashes, const at::Tensor& valid,
+                                                      int64_t clusters, int64_t iterations, int64_t bits);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lloyd_refine_cpu(const at::Tensor& queries,
+                                                                const at::Tensor& assignments, int64_t clusters,
+                                                                int64_t iterations);
+
+at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
+                               int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
+                               int64_t lloyd_rounds, double scaling);
+
+at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                      const at::Tensor& valid, const at::Tensor& assignments,
+                                      const at::Tensor& centroids, const at::Tensor& centroid_values,
+                                      const at::Tensor& topk_indices, const at::Tensor& topk_mass,
+                                      const at::Tensor& topk_values, double scaling);
+
+std::tuple<at::Tensor, at::Tensor> group_queries_cpu(const at::Tensor& queries, const at::Tensor& assignments,
+                                                     int64_t clusters);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cpu(
+    const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+    int64_t topk, double scaling);
+
+at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& assignments, const at::Tensor& centroid_values,
+                           const at::Tensor& topk_indices, const at::Tensor& topk_mass, const at::Tensor& topk_values,
+                           double scaling);
+
+at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::Tensor& assignments);
+
+}  // namespace bert_cluster
