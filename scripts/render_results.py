@@ -735,6 +735,12 @@ SPEED_FILES = {
         "bench_attention_emerald/targets_fp32.json",
         "bench_attention_emerald/targets_bf16.json",
     ),
+    "Zen 3": (
+        "bench_attention_zen3/targets_fp32_1.json",
+        "bench_attention_zen3/targets_fp32_2.json",
+        "bench_attention_zen3/targets_bf16_1.json",
+        "bench_attention_zen3/targets_bf16_2.json",
+    ),
 }
 TARGETS_COMMAND = (
     f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked --no-memory --dtype fp32|bf16 --output FILE"
@@ -745,7 +751,8 @@ TABLES: tuple[Table, ...] = (
         "speed-cpus",
         tuple(path for paths in SPEED_FILES.values() for path in paths),
         (README,),
-        f"{TARGETS_COMMAND} (--repeats 40, two runs each, on the Zen 5; --repeats 20 on the others)",
+        f"{TARGETS_COMMAND} (--repeats 40, two runs each, on the Zen 5; "
+        "--repeats 20 on the others, two runs each on the Zen 3)",
         cpu_speed_table([(name, len(paths)) for name, paths in SPEED_FILES.items()]),
     ),
     Table(
@@ -783,6 +790,30 @@ TABLES: tuple[Table, ...] = (
     Table(
         "long-emerald",
         ("long_context_emerald/long_fp32.json", "long_context_emerald/long_bf16.json"),
+        (BENCHMARKS,),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
+        "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
+        long_dtype_table,
+    ),
+    Table(
+        "speed-zen3",
+        SPEED_FILES["Zen 3"],
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "speed-zen3-mixed",
+        ("bench_attention_zen3/mixed_fp32.json", "bench_attention_zen3/mixed_bf16.json"),
+        (BENCHMARKS,),
+        f"{BENCH} --mixed --lengths 512 4096 {THREE} --order blocked --repeats 7 --no-memory "
+        "--dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "long-zen3",
+        ("long_context_zen3/long_fp32.json", "long_context_zen3/long_bf16.json"),
         (BENCHMARKS,),
         "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
         "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
