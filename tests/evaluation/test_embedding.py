@@ -101,6 +101,9 @@ def test_metric_names_are_checked_against_the_kind():
             get_kind(bad)
     with pytest.raises(UserError, match="unknown option"):
         get_kind(dataclasses.replace(task, options={"recall_at": [1]}))
+    for documents in (0, -2, 1.5, True, "8"):
+        with pytest.raises(UserError, match="options.documents must be a positive int"):
+            get_kind(dataclasses.replace(task, options={"documents": documents}))
 
 
 # --- encoding through SentenceTransformer.encode --------------------------------------------------------
@@ -234,6 +237,38 @@ def test_a_retrieval_limit_shrinks_the_corpus_and_keeps_the_gold_passages():
     ):  # gold indices point into the new corpus
         original = full.questions.index(question)
         assert data.passages[gold] == full.passages[full.gold[original]]
+
+
+def test_the_retrieval_sample_keeps_whole_articles_spread_over_the_set():
+    """squad-retrieval-sample: every twelfth of the 48 articles, with all their questions and paragraphs."""
+    tasks = load_tasks()
+    full = E.RETRIEVAL.load_examples(tasks["squad-retrieval"], None, None).items
+    sample = E.RETRIEVAL.load_examples(tasks["squad-retrieval-sample"], None, None)
+    data = sample.items
+
+    def title(passage_id: str) -> str:
+        return passage_id.rpartition("/")[0]
+
+    titles = list(dict.fromkeys(title(p) for p in full.passage_ids))
+    assert len(titles) == 48 and tasks["squad-retrieval-sample"].options == {"documents": 4}
+    kept = [titles[i] for i in range(0, 48, 12)]
+    assert list(dict.fromkeys(title(p) for p in data.passage_ids)) == kept
+    # All of those articles' paragraphs and questions, each question still pointing at its own paragraph.
+    assert data.passage_ids == [p for p in full.passage_ids if title(p) in kept]
+    asked = [i for i, gold in enumerate(full.gold) if title(full.passage_ids[gold]) in kept]
+    assert data.question_ids == [full.question_ids[i] for i in asked]
+    assert [data.passage_ids[g] for g in data.gold] == [full.passage_ids[full.gold[i]] for i in asked]
+    assert sample.count == len(asked) == 1692 and sample.notes["corpus"] == 242
+    # Half of the articles the embedded default's long-document sample reads as whole documents.
+    from bert_cluster.evaluation.kinds import long_retrieval as L
+
+    rows = load_rows(tasks["squad-articles"], None).rows
+    assert L.select(L.articles_from_rows(rows, "question", "context"), 8).titles[::2] == kept
+    # A limit then samples the sample's questions.
+    limited = E.RETRIEVAL.load_examples(tasks["squad-retrieval-sample"], None, 100)
+    assert limited.count == 100 and set(limited.items.question_ids) <= set(data.question_ids)
+    # More documents than articles: the whole set, unchanged.
+    assert E.of_articles(full, 100) is full and E.of_articles(full, None) is full
 
 
 @pytest.mark.data

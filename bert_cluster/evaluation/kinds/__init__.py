@@ -153,6 +153,15 @@ def check_metrics(task: Any, allowed: Callable[[str], bool], described: str) -> 
         raise UserError(f"task {task.name}: no metrics; allowed: {described}")
 
 
+def positive_option(task: Any, key: str, value: Any, default: int | None = None) -> int | None:
+    """``value`` as a positive int (``default`` when None); a UserError naming the task and key otherwise."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"task {task.name}: {key} must be a positive int, got {value!r}")
+    return value
+
+
 def first_n(items: list[Any], limit: int | None) -> list[Any]:
     """The first ``limit`` items (all without a limit)."""
     return items if limit is None else items[:limit]

@@ -29,6 +29,7 @@ from bert_cluster.evaluation.kinds import (
     check_metrics,
     check_options,
     first_n,
+    positive_option,
     register_kind,
 )
 from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
@@ -36,6 +37,9 @@ from bert_cluster.evaluation.modeling import load_sentence_encoder, max_position
 #: Metrics of the retrieval kind: those of sentence-transformers' InformationRetrievalEvaluator.
 RETRIEVAL_METRIC = re.compile(r"(accuracy|precision|recall|mrr|ndcg|map)@([1-9][0-9]*)")
 STS_METRICS = ("spearman", "pearson")
+#: Options of the retrieval kind: ``documents`` = score only the passages and questions of that many
+#: articles, spread evenly over the set (``of_articles``).
+RETRIEVAL_OPTIONS = ("documents",)
 
 
 def transformer_of(encoder: Any) -> torch.nn.Module:
@@ -228,6 +232,31 @@ def spread(count: int, limit: int | None) -> list[int]:
     return [math.floor(i * count / limit) for i in range(limit)]
 
 
+def of_articles(collection: RetrievalSet, documents: int | None) -> RetrievalSet:
+    """The passages and questions of ``documents`` articles spread evenly over the set (all without).
+
+    An article is the title of its passage ids (``<title>/<n>``, ``retrieval_from_rows``), in order of
+    first appearance; ``spread`` picks the same articles as the long-retrieval kind's ``documents``. Each
+    question keeps only its own article's paragraphs and the other sampled articles' as distractors, so the
+    sample's scores are not the full set's.
+    """
+    titles = [passage_id.rpartition("/")[0] for passage_id in collection.passage_ids]
+    order = list(dict.fromkeys(titles))
+    kept = {order[i] for i in spread(len(order), documents)}
+    if len(kept) == len(order):
+        return collection
+    passages = [i for i, title in enumerate(titles) if title in kept]
+    position = {old: new for new, old in enumerate(passages)}
+    asked = [i for i, gold in enumerate(collection.gold) if gold in position]
+    return RetrievalSet(
+        passage_ids=[collection.passage_ids[i] for i in passages],
+        passages=[collection.passages[i] for i in passages],
+        question_ids=[collection.question_ids[i] for i in asked],
+        questions=[collection.questions[i] for i in asked],
+        gold=[position[collection.gold[i]] for i in asked],
+    )
+
+
 def shrink(collection: RetrievalSet, limit: int | None) -> RetrievalSet:
     """``limit`` questions spread over the set, and the corpus cut in the same proportion.
 
@@ -258,15 +287,20 @@ class RetrievalKind(_EmbeddingKind):
     def check(self, task: Any) -> None:
         """Two text fields (question, passage) and InformationRetrievalEvaluator metric names."""
         _two_text_fields(task)
-        check_options(task, ())
+        check_options(task, RETRIEVAL_OPTIONS)
+        positive_option(task, "options.documents", task.options.get("documents"))
         check_metrics(
             task, RETRIEVAL_METRIC.fullmatch, "accuracy@k, precision@k, recall@k, mrr@k, ndcg@k, map@k"
         )
 
     def load_examples(self, task: Any, data_dir: Sequence[Path] | None, limit: int | None) -> Examples:
-        """All questions and passages; a limit keeps that many questions and cuts the corpus (``shrink``)."""
+        """The questions and passages (``options.documents``: of that many articles, ``of_articles``).
+
+        A limit then keeps that many questions and cuts the corpus (``shrink``).
+        """
         rows = load_rows(task, data_dir)
-        collection = shrink(retrieval_from_rows(rows.rows, *task.text_fields), limit)
+        collection = retrieval_from_rows(rows.rows, *task.text_fields)
+        collection = shrink(of_articles(collection, task.options.get("documents")), limit)
         return Examples(
             items=collection,
             source=rows.source,

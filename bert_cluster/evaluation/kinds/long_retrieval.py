@@ -27,6 +27,7 @@ from bert_cluster.evaluation.kinds import (
     Progress,
     ScoreSettings,
     check_metrics,
+    positive_option,
     register_kind,
 )
 from bert_cluster.evaluation.kinds.embedding import (
@@ -188,14 +189,6 @@ def select(
 # --------------------------------------------------------------------------------------------------
 
 
-def _positive(task: Any, key: str, value: Any, default: int | None = None) -> int | None:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"task {task.name}: {key} must be a positive int, got {value!r}")
-    return value
-
-
 def task_options(task: Any) -> dict[str, Any]:
     """The task's options, validated, with their defaults.
 
@@ -208,7 +201,7 @@ def task_options(task: Any) -> dict[str, Any]:
             f"task {task.name}: unknown option(s) {unknown} for kind {task.kind}; allowed: {sorted(OPTIONS)}"
         )
     return {
-        key: _positive(
+        key: positive_option(
             task, f"options.{key}", task.options.get(key), 1 if key == "document_batch_size" else None
         )
         for key in OPTIONS
@@ -265,7 +258,7 @@ class LongRetrievalKind(_EmbeddingKind):
 
     def load_examples(self, task: Any, data_dir: Sequence[Path] | None, limit: int | None) -> Examples:
         """The articles and questions, sampled by the task's ``documents``/``questions`` and ``limit``."""
-        _positive(task, "limit", limit)
+        positive_option(task, "limit", limit)
         options = task_options(task)
         rows = load_rows(task, data_dir)
         try:
