@@ -320,6 +320,45 @@ def long_dtype_table(results: list[dict]) -> list[str]:
     return table(header, "lrrrrrr", rows) + ["", caption]
 
 
+def linears_table(results: list[dict]) -> list[str]:
+    """scripts/bench_linears.py: the encoder's linear layers alone, and the speedup they leave room for."""
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            rows.append(
+                [
+                    row["dtype"],
+                    tokens(row["length"]),
+                    f"{row['gflop']:.0f}",
+                    f"{row['linears_s']:.2f} ({row['gflop_per_s']:.0f} GFLOP/s)",
+                    f"{row['unmodified_s']:.2f}",
+                    f"**{times(row['bound'])}**",
+                    times(row["speedup"]),
+                    f"{row['target_speedup']:.1f}×"
+                    + ("" if row["target_within_bound"] else " (out of reach)"),
+                ]
+            )
+    header = [
+        "dtype",
+        "tokens",
+        "linear layers' GFLOP",
+        "their s/doc alone",
+        "unmodified s/doc",
+        "bound: speedup with attention free",
+        "patched (measured)",
+        "target",
+    ]
+    first = results[0]
+    environment = first["environment"]
+    caption = (
+        f"{first['rows'][0]['model']}, batch 1, {environment['threads']} threads, median of "
+        f"{first['settings']['repeats']} repeats; torch {environment['torch']}; "
+        f"{', '.join(sorted({r['environment']['date'][:10] for r in results}))}. Unmodified and patched: "
+        f"{', '.join(sorted({row['source'] for r in results for row in r['rows']}))}."
+    )
+    return table(header, "lrrrrrrr", rows) + ["", caption]
+
+
 def long_context_table(results: list[dict]) -> list[str]:
     """Time rows from the timing runs, memory from the memory runs (results: timing files, then memory)."""
     half = len(results) // 2
@@ -818,6 +857,14 @@ TABLES: tuple[Table, ...] = (
         "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
         "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
         long_dtype_table,
+    ),
+    Table(
+        "linears-zen3",
+        ("long_context_zen3/linears_fp32.json", "long_context_zen3/linears_bf16.json"),
+        (BENCHMARKS,),
+        "python scripts/bench_linears.py --dtype fp32|bf16 --long-context "
+        "docs/results/long_context_zen3/long_fp32.json|long_bf16.json --output FILE",
+        linears_table,
     ),
     Table(
         "model-emerald-bf16",
