@@ -469,7 +469,12 @@ def refine_with_query_mass(
     rest = 1.0 - topk_mass
     safe_rest = torch.where(no_rest | (rest <= 0), torch.ones_like(rest), rest)
     rest_mean = torch.where(no_rest[..., None], 0.0, (centroid_values - topk_values) / safe_rest[..., None])
-    log_odds = torch.log(rest.clamp(min=0)) - torch.log(topk_mass.clamp(min=torch.finfo(torch.float32).tiny))
+    # log(1 - m_j) is -inf where no mass is left (no valid key outside T_j, or m_j rounded to 1): taken
+    # from the mask, not from log(0), whose gradient (1 / 0) times the zero gradient there would be nan in
+    # every query and key gradient of such a cluster. The forward values are the same.
+    positive = rest > 0
+    log_rest = torch.where(positive, torch.log(torch.where(positive, rest, 1.0)), -math.inf)
+    log_odds = log_rest - torch.log(topk_mass.clamp(min=torch.finfo(torch.float32).tiny))
     log_odds = log_odds.masked_fill(no_rest, -math.inf)
 
     def rest_logz(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
