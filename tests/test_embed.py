@@ -279,6 +279,19 @@ def test_overwrite_removes_only_the_files_the_runs_state_lists(minilm_dir, corpu
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_damaged_state_is_refused_with_or_without_overwrite(minilm_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "state.json").write_text("{garbage")
+    (out / "shard-00000.parquet").write_text("whose?")
+    for overwrite in (False, True):
+        with pytest.raises(
+            UserError, match=r"state.json is damaged or no embed run's state.*remove them yourself"
+        ):
+            bert_cluster.embed(minilm_dir, corpus, out, exact=True, overwrite=overwrite)
+    assert (out / "shard-00000.parquet").read_text() == "whose?"
+
+
 def _flip_a_value(shard: Path) -> None:
     """Flip the exponent of the shard's first embedding value, inside its data (not the footer)."""
     import pyarrow.parquet as pq

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from bert_cluster.embedding import read_documents
 from bert_cluster.evaluation.errors import UserError
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _read(path: Path, **fields) -> tuple[list, list] | UserError:
@@ -114,6 +114,9 @@ def test_a_malformed_csv_is_refused_with_file_and_line(tmp_path):
         read_documents(path)
     path.write_text('text\na\n"unclosed\nb\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"line 4: not valid CSV \(unexpected end of data\)"):
+        read_documents(path)
+    path.write_bytes(b"text\na\nb\rc\n")  # a bare CR in an unquoted cell
+    with pytest.raises(UserError, match=r"line 3: not valid CSV \(new-line character seen in unquoted field"):
         read_documents(path)
 
 
@@ -263,15 +266,16 @@ def test_fuzz_jsonl(tmp_path, entries, ascii_only):
 )
 def test_fuzz_csv(tmp_path, rows, terminator, encoding):
     """Rows written by csv.writer (quotes, commas, newlines in cells), blank lines between some."""
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator=terminator)
-    writer.writerow(["text", "other"])
+    written = ""
     starts = []
-    for text, blanks in rows:
-        starts.append(buffer.getvalue().count("\n") + 1)
-        writer.writerow([text, "x"])
-        buffer.write("\n" * blanks)
-    data = buffer.getvalue().encode(encoding, "replace")
+    for row, (text, blanks) in enumerate([("text", 0), *rows]):
+        starts.append(written.count("\n") + 1)
+        buffer = io.StringIO()
+        # A CRLF terminator makes the writer quote a cell holding a CR (a bare CR is no valid CSV cell).
+        csv.writer(buffer, lineterminator="\r\n").writerow([text, "x" if row else "other"])
+        written += buffer.getvalue().removesuffix("\r\n") + terminator + "\n" * blanks
+    starts = starts[1:]
+    data = written.encode(encoding, "replace")
     path = tmp_path / "fuzz.csv"
     path.write_bytes(data)
     read = _read(path)

@@ -139,7 +139,9 @@ def verify_shard(path: Path, fingerprint: str, checksum: str | None = None) -> t
         raise DamagedShard("it was written with other settings")
     if tuple(table.column_names) != COLUMNS:
         raise DamagedShard(f"its columns are {table.column_names}, not {list(COLUMNS)}")
-    stored = metadata.get(CHECKSUM_KEY, b"").decode("ascii", "replace")
+    if CHECKSUM_KEY not in metadata:
+        raise DamagedShard("it carries no checksum: an output of layout 1, before checksums; embed it again")
+    stored = metadata[CHECKSUM_KEY].decode("ascii", "replace")
     try:
         actual = content_sha256(table)
     except (ValueError, TypeError, pa.ArrowException) as error:
@@ -260,6 +262,11 @@ def check_folder(output: Path, overwrite: bool) -> None:
     """
     present = sorted(path.name for path in output.iterdir() if path.name != LOCK)
     state = _load_state(output)
+    if state is None and STATE in present:
+        raise UserError(
+            f"{output / STATE} is damaged or no embed run's state, so which files are an embed run's is "
+            "unknown: remove them yourself, or give another output folder"
+        )
     others = [name for name in present if name not in _ours(output, state)]
     if overwrite and others:
         raise UserError(
