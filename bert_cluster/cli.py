@@ -412,10 +412,15 @@ def embed(
     # Skipped documents and re-embedded shards are never hidden, -q or not (they are not progress).
     for problem in result.problems:
         stderr.print(
-            f"skipped {problem.id} (line {problem.line}): {problem.reason}", markup=False, highlight=False
+            f"skipped {problem.id} (line {problem.line}): {problem.reason}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
         )
     for name, why in result.damaged_shards.items():
-        stderr.print(f"re-embedded {name}: it was damaged ({why})", markup=False, highlight=False)
+        stderr.print(
+            f"re-embedded {name}: it was damaged ({why})", markup=False, highlight=False, soft_wrap=True
+        )
     if quiet:
         return
     rate = (

@@ -319,6 +319,15 @@ def test_a_damaged_shard_is_named_by_read_output_and_embedded_again(minilm_dir, 
     assert again.manifest["this_run"]["shards_damaged"] == again.damaged_shards
     after_ids, after = matrix(out)
     assert after_ids == ids and np.array_equal(after.view(np.uint32), before.view(np.uint32))
+    # The command says so, -q or not.
+    _flip_a_value(out / "shard-00000.parquet")
+    arguments = ["embed", str(minilm_dir), str(corpus), "-o", str(out), "--exact", "-q"]
+    arguments += ["--shard-size", "4", "--max-tokens-per-batch", "600"]
+    rerun = CliRunner().invoke(app, arguments)
+    assert rerun.exit_code == 0, rerun.output
+    assert rerun.stderr.strip().splitlines() == [
+        "re-embedded shard-00000.parquet: it was damaged (its content does not match its checksum)"
+    ]
     # A shard cut short no longer reads as parquet: named too, not a raw ArrowInvalid.
     (out / "shard-00002.parquet").write_bytes((out / "shard-00002.parquet").read_bytes()[:-20])
     with pytest.raises(UserError, match=r"shard shard-00002.parquet is damaged \(it cannot be read: "):

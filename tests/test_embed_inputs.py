@@ -62,10 +62,24 @@ def test_a_folder_of_several_formats_is_refused_naming_them(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "content"),
-    [("e.jsonl", b""), ("blank.jsonl", b"\n  \n"), ("e.txt", b""), ("e.csv", b""), ("header.csv", b"text\n")],
+    [
+        ("e.jsonl", b""),
+        ("blank.jsonl", b"\n  \n"),
+        ("e.txt", b""),
+        ("e.csv", b""),
+        ("header.csv", b"text\n"),
+        ("e.json", b""),
+        ("list.json", b"[]"),
+        ("e.parquet", None),
+    ],
 )
 def test_an_empty_input_says_no_documents(tmp_path, name, content):
-    (tmp_path / name).write_bytes(content)
+    if content is None:
+        import datasets
+
+        datasets.Dataset.from_dict({"text": []}).to_parquet(str(tmp_path / name))
+    else:
+        (tmp_path / name).write_bytes(content)
     with pytest.raises(UserError, match=r"no documents") as raised:
         read_documents(tmp_path / name)
     assert str(tmp_path / name) in str(raised.value)

@@ -302,15 +302,20 @@ def _check_fields(columns: list[str], source: str, text_field: str | None, id_fi
 
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    """``datasets.load_dataset`` quietly, with its failures as one-line ``UserError``s."""
+    """``datasets.load_dataset`` quietly, with its failures as one-line ``UserError``s naming the input."""
     from bert_cluster.evaluation.data import _load_dataset as load
 
+    source = kwargs.get("data_files") or (args[0] if args else "the input")
     try:
         return load(*args, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"cannot read {args[0] if args else 'the input'}: {one_line(error)}") from None
     except Exception as error:  # datasets' own errors (DatasetGenerationError, ...) derive from Exception
-        raise UserError(f"cannot read the input: {type(error).__name__}: {one_line(error)}") from None
+        # datasets has no error type of its own for an input without a record: a bare StopIteration (an
+        # empty JSON file) or a ValueError saying the split "corresponds to no data".
+        if isinstance(error, StopIteration) or "corresponds to no data" in str(error):
+            raise UserError(f"{source}: no documents (no record in it)") from None
+        if isinstance(error, (OSError, ValueError, KeyError, TypeError)):
+            raise UserError(f"cannot read {source}: {one_line(error)}") from None
+        raise UserError(f"cannot read {source}: {type(error).__name__}: {one_line(error)}") from None
 
 
 def _one_split(loaded: Any, source: str, split: str | None) -> Any:
