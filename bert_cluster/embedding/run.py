@@ -197,12 +197,14 @@ def embed(
         max_tokens_per_batch: padded tokens (rows x longest row) per model pass.
         shard_size: documents per shard.
         device: cpu, cuda or cuda:N (launched processes on GPUs take one GPU each).
-        overwrite: replace an output folder of other settings (only an embed run's files are removed).
+        overwrite: replace an embed run of other settings in ``output``: only the files its state lists
+            are removed; any other file in the folder is refused.
         progress: called after each batch with this process's documents and tokens done and to do.
 
     Raises:
-        UserError: a bad argument, an unreadable model or input, an output of other settings, or an
-            output another run is writing.
+        UserError: a bad argument, an unreadable, malformed or empty input, an unreadable model, an
+            output of other settings or holding other files, an output another run is writing (checked
+            before any work), or a write that fails.
         EmbedInterrupted: Ctrl-C; the shards written so far stay and the same call continues from them.
     """
     _check(dtype, max_length, max_tokens_per_batch, shard_size, device)
