@@ -228,6 +228,7 @@ def test_cli_reports_bad_documents_and_one_line_errors(minilm_dir, tmp_path):
         assert failed.exit_code == 2, failed.output
         lines = failed.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], failed.output
+        assert not (tmp_path / "e").exists()  # a refused run leaves no folder behind
 
 
 def test_quiet_still_names_the_skipped_documents(minilm_dir, tmp_path):

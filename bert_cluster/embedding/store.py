@@ -153,9 +153,14 @@ def verify_shard(path: Path, fingerprint: str, checksum: str | None = None) -> t
 
 @contextlib.contextmanager
 def locked(output: Path) -> Iterator[None]:
-    """Hold ``OUT/.lock`` for the block; another holder means a ``UserError`` at once (no waiting)."""
+    """Hold ``OUT/.lock`` for the block; another holder means a ``UserError`` at once (no waiting).
+
+    A folder this call created is removed again when the block leaves nothing but the lock in it (a run
+    refused before writing anything leaves no trace).
+    """
     import fcntl
 
+    created = not output.exists()
     try:
         output.mkdir(parents=True, exist_ok=True)
         handle = open(output / LOCK, "a+")  # noqa: SIM115 - held open for the whole block
@@ -175,7 +180,13 @@ def locked(output: Path) -> Iterator[None]:
         handle.truncate()
         handle.write(f"pid {os.getpid()}\n")
         handle.flush()
-        yield
+        try:
+            yield
+        finally:
+            if created and os.listdir(output) == [LOCK]:
+                with contextlib.suppress(OSError):
+                    (output / LOCK).unlink()
+                    output.rmdir()
     finally:
         handle.close()
 
