@@ -293,6 +293,17 @@ def test_a_damaged_state_is_refused_with_or_without_overwrite(minilm_dir, corpus
     assert (out / "shard-00000.parquet").read_text() == "whose?"
 
 
+def test_a_temporary_state_of_a_run_killed_at_its_start_is_no_obstacle(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".state.json.tmp-99").write_text("half")
+    with store.locked(out):
+        store.check_folder(out, overwrite=False)
+        store.prepare(out, {"layout": store.LAYOUT_VERSION}, False, ["shard-00000.parquet"])
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "state.json"]
+    assert json.loads((out / "state.json").read_text())["shards"] == ["shard-00000.parquet"]
+
+
 def _flip_a_value(shard: Path) -> None:
     """Flip the exponent of the shard's first embedding value, inside its data (not the footer)."""
     import pyarrow.parquet as pq

@@ -284,9 +284,9 @@ def check_folder(output: Path, overwrite: bool) -> None:
             f"{output} holds files no embed run wrote there ({_shown_names(others)}): --overwrite removes "
             "only the files an embed run's state lists; move them away, or give another output folder"
         )
-    if not overwrite and state is None and present:
+    if not overwrite and state is None and others:
         raise UserError(
-            f"{output} is not empty and holds no embed run ({_shown_names(present)}); give another output "
+            f"{output} is not empty and holds no embed run ({_shown_names(others)}); give another output "
             "folder (--overwrite removes only an embed run's own files)"
         )
 
@@ -311,17 +311,16 @@ def prepare(output: Path, settings: Mapping[str, Any], overwrite: bool, shards: 
             except OSError as error:
                 raise UserError(f"cannot remove {output / name}: {error.strerror or error}") from None
         stored = None
-    elif stored is not None:
-        if stored["fingerprint"] != wanted["fingerprint"]:
-            found = _differences(stored["settings"], wanted["settings"]) or ["its state file"]
-            differs = "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
-            raise UserError(
-                f"{output} holds an embed run with other settings: {differs}; give another output folder, "
-                "or --overwrite to replace it"
-            )
-        for name in _ours(output, stored):  # a temporary file of a killed run
-            if name.startswith("."):
-                (output / name).unlink(missing_ok=True)
+    elif stored is not None and stored["fingerprint"] != wanted["fingerprint"]:
+        found = _differences(stored["settings"], wanted["settings"]) or ["its state file"]
+        differs = "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
+        raise UserError(
+            f"{output} holds an embed run with other settings: {differs}; give another output folder, "
+            "or --overwrite to replace it"
+        )
+    for name in _ours(output, stored):  # a temporary file of a killed run
+        if name.startswith("."):
+            (output / name).unlink(missing_ok=True)
     if stored is None:
         write_json(state_file, wanted)
     return wanted
