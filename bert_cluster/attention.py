@@ -74,6 +74,11 @@ def _check_inputs(query, key, value, valid, name: str) -> None:
             f"{name} expects self-attention tensors query/key (R, H, N, Dk) and value (R, H, N, Dv); "
             f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
+    if query.shape[-1] == 0:
+        raise ValueError(
+            f"{name}: the head dim Dk must be at least 1, got query {tuple(query.shape)} (no scaling "
+            "1/sqrt(Dk) and nothing to hash); rows, heads and tokens may be 0 (an empty result)"
+        )
     rows, _, length, _ = query.shape
     if valid is not None and (valid.shape != (rows, length) or valid.dtype != torch.bool):
         raise ValueError(
@@ -105,11 +110,14 @@ def clustered_attention(
         ``config.min_length``) get exact attention through torch's SDPA over their valid keys. Padded
         query positions get zeros; padding never influences a valid output, and NaN/inf in valid inputs
         or in ``scaling`` propagate to the outputs they touch (``bert_cluster.reference`` states the rules).
+        R, H or N of 0 gives an empty result, as SDPA does; a head dim Dk of 0 is a ``ValueError``.
     """
     config = config or ClusteredAttentionConfig()
     _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    if query.shape[:-1].numel() == 0:  # no rows, heads or tokens: an empty result, as SDPA gives
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])
     if torch.compiler.is_compiling():
         # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
         if valid is None:
@@ -263,7 +271,7 @@ def exact_rows(
     """
     rows, heads, length, _ = query.shape
     longest = max(lengths, default=0)
-    if valid is None or min(lengths) == length:
+    if valid is None or min(lengths, default=length) == length:  # no padding (or no rows)
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
     out_shape = (rows, heads, length, value.shape[-1])
     if longest == 0:

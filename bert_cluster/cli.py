@@ -361,7 +361,12 @@ def embed(
     shard_size: Annotated[int, typer.Option("--shard-size", help="Documents per shard.")] = 10000,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an output folder written with other settings.")
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace an embed run of other settings (only the files its state lists; any other file "
+            "in the folder is refused).",
+        ),
     ] = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
@@ -371,7 +376,8 @@ def embed(
     from bert_cluster.embedding.progress import ProgressBar
     from bert_cluster.evaluation.parallel import is_main_process
 
-    quiet = quiet or not is_main_process()
+    main_process = is_main_process()
+    quiet = quiet or not main_process
     bar = ProgressBar(stderr) if not quiet else None
     with user_errors():
         settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
@@ -401,12 +407,22 @@ def embed(
         except KeyboardInterrupt:
             stderr.print(f"interrupted: run the same command to continue in {output}", markup=False)
             raise typer.Exit(130) from None
-    if quiet:
+    if not main_process:
         return
+    # Skipped documents and re-embedded shards are never hidden, -q or not (they are not progress).
     for problem in result.problems:
         stderr.print(
-            f"skipped {problem.id} (line {problem.line}): {problem.reason}", markup=False, highlight=False
+            f"skipped {problem.id} (line {problem.line}): {problem.reason}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
         )
+    for name, why in result.damaged_shards.items():
+        stderr.print(
+            f"re-embedded {name}: it was damaged ({why})", markup=False, highlight=False, soft_wrap=True
+        )
+    if quiet:
+        return
     rate = (
         f", {result.documents_per_second:,.1f} docs/s, {result.tokens_per_second:,.0f} tokens/s"
         if result.documents_per_second
@@ -715,6 +731,7 @@ def inspect_command(
         Path | None,
         typer.Option("--output", "-o", help="Folder for inspect.json, inspect.md and inspect.png."),
     ] = None,
+    overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
@@ -749,6 +766,7 @@ def inspect_command(
             max_length=max_length,
             max_error=max_error,
             output=output,
+            overwrite=overwrite,
             settings={
                 "inputs": given,
                 "limit": limit,

@@ -560,22 +560,25 @@ def inspect_checkpoint(
     max_length: int = 512,
     max_error: float = DEFAULT_MAX_ERROR,
     output: str | Path | None = None,
+    overwrite: bool = False,
     settings: Mapping[str, Any] | None = None,
 ) -> Inspection:
     """``inspect_model`` on a checkpoint path (its encoder; any head), writing the report to ``output``.
 
-    ``output`` is checked before the model is loaded (a folder that holds files is allowed: inspect.*
-    are replaced); ``settings`` are recorded beside the config in inspect.json. What ``bert-cluster
+    ``output`` is checked before the model is loaded: it must be empty or new, as for ``evaluate``;
+    ``overwrite`` allows a folder that holds files (an earlier report's inspect.* are replaced, nothing
+    else is touched). ``settings`` are recorded beside the config in inspect.json. What ``bert-cluster
     inspect`` calls.
 
     Raises:
-        UserError: the model cannot be loaded, or ``output`` cannot be written.
+        UserError: the model cannot be loaded, or ``output`` is not empty (without ``overwrite``) or
+            cannot be written.
     """
     from bert_cluster.evaluation.modeling import load_encoder
     from bert_cluster.evaluation.report import check_output
 
     if output is not None:
-        check_output(output, overwrite=True)
+        check_output(output, overwrite=overwrite)
     loaded, tokenizer = load_encoder(model)
     report = inspect_model(loaded, inputs, tokenizer, config, max_length=max_length)
     if output is not None:

@@ -282,6 +282,17 @@ def test_convert_saves_a_patched_checkpoint(tmp_path, tiny_folder):
     assert bad_layers.exit_code == 2 and "malformed layer list" in bad_layers.output
 
 
+def test_an_unwritable_convert_output_is_one_line_and_exit_2(tmp_path, tiny_folder, monkeypatch):
+    import transformers
+
+    def denied(self, folder, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(Path(folder) / "config.json"))
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", denied)
+    result = runner.invoke(app, ["convert", str(tiny_folder), str(tmp_path / "out")])
+    one_line_error(result, f"cannot write the checkpoint to {tmp_path / 'out'}: Permission denied")
+
+
 def test_ls_and_validate():
     listed = runner.invoke(app, ["ls", "--json"])
     assert listed.exit_code == 0

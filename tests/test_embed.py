@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -227,6 +228,149 @@ def test_cli_reports_bad_documents_and_one_line_errors(minilm_dir, tmp_path):
         assert failed.exit_code == 2, failed.output
         lines = failed.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], failed.output
+        assert not (tmp_path / "e").exists()  # a refused run leaves no folder behind
+
+
+def test_quiet_still_names_the_skipped_documents(minilm_dir, tmp_path):
+    docs = tmp_path / "docs.txt"
+    docs.write_bytes(b"a fine sentence\n\nbad \xff\n")
+    done = CliRunner().invoke(
+        app, ["embed", str(minilm_dir), str(docs), "-o", str(tmp_path / "o"), "--exact", "-q"]
+    )
+    assert done.exit_code == 0, done.output
+    assert done.stderr.strip().splitlines() == [
+        "skipped 2 (line 2): empty",
+        "skipped 3 (line 3): not valid UTF-8 (byte 5 of the line)",
+    ]
+    assert done.stdout == ""
+
+
+def test_the_lock_is_taken_before_any_work(minilm_dir, corpus, tmp_path, monkeypatch):
+    from bert_cluster.embedding import run
+
+    monkeypatch.setattr(run, "read_documents", lambda *a, **k: pytest.fail("input read before the lock"))
+    monkeypatch.setattr(run, "_load", lambda *a, **k: pytest.fail("model loaded before the lock"))
+    with store.locked(tmp_path / "out"), pytest.raises(UserError, match="being written by another embed run"):
+        bert_cluster.embed(minilm_dir, corpus, tmp_path / "out", exact=True)
+
+
+def test_overwrite_removes_only_the_files_the_runs_state_lists(minilm_dir, corpus, tmp_path):
+    # Someone else's files named like an embed run's, in a folder without an embed state: refused, kept.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    names = ["manifest.json", "shard-00000.parquet", "shard-00099.parquet"]
+    for name in names:
+        (foreign / name).write_text(f"not yours: {name}")
+    with pytest.raises(
+        UserError, match=r"holds files no embed run wrote there \(" + re.escape(", ".join(names))
+    ):
+        bert_cluster.embed(minilm_dir, corpus, foreign, exact=True, overwrite=True)
+    assert [(p.name, p.read_text()) for p in sorted(foreign.glob("[ms]*"))] == [
+        (name, f"not yours: {name}") for name in names
+    ]
+    # A finished run beside a shard of someone else's: refused, nothing removed.
+    out = tmp_path / "out"
+    bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    (out / "shard-00099.parquet").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(
+        UserError, match=r"\(shard-00099.parquet\): --overwrite removes only the files an embed"
+    ):
+        bert_cluster.embed(minilm_dir, corpus, out, exact=True, max_length=64, overwrite=True, **SMALL)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_damaged_state_is_refused_with_or_without_overwrite(minilm_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "state.json").write_text("{garbage")
+    (out / "shard-00000.parquet").write_text("whose?")
+    for overwrite in (False, True):
+        with pytest.raises(
+            UserError, match=r"state.json is damaged or no embed run's state.*remove them yourself"
+        ):
+            bert_cluster.embed(minilm_dir, corpus, out, exact=True, overwrite=overwrite)
+    assert (out / "shard-00000.parquet").read_text() == "whose?"
+
+
+def test_a_temporary_state_of_a_run_killed_at_its_start_is_no_obstacle(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".state.json.tmp-99").write_text("half")
+    with store.locked(out):
+        store.check_folder(out, overwrite=False)
+        store.prepare(out, {"layout": store.LAYOUT_VERSION}, False, ["shard-00000.parquet"])
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "state.json"]
+    assert json.loads((out / "state.json").read_text())["shards"] == ["shard-00000.parquet"]
+
+
+def _flip_a_value(shard: Path) -> None:
+    """Flip the exponent of the shard's first embedding value, inside its data (not the footer)."""
+    import pyarrow.parquet as pq
+
+    data = bytearray(shard.read_bytes())
+    first = pq.read_table(shard).column("embedding")[0].values.to_numpy()[:4].astype("<f4").tobytes()
+    at = bytes(data).find(first)
+    assert at > 0
+    data[at + 3] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_is_named_by_read_output_and_embedded_again(minilm_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    ids, before = matrix(out)
+    _flip_a_value(out / "shard-00001.parquet")
+    with pytest.raises(
+        UserError,
+        match=r"shard shard-00001.parquet is damaged \(its content does not match its checksum\); run the",
+    ):
+        read_output(out)
+    again = bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    assert list(again.damaged_shards) == ["shard-00001.parquet"] and again.resumed_shards == again.shards - 1
+    assert again.manifest["this_run"]["shards_damaged"] == again.damaged_shards
+    after_ids, after = matrix(out)
+    assert after_ids == ids and np.array_equal(after.view(np.uint32), before.view(np.uint32))
+    # The command says so, -q or not.
+    _flip_a_value(out / "shard-00000.parquet")
+    arguments = ["embed", str(minilm_dir), str(corpus), "-o", str(out), "--exact", "-q"]
+    arguments += ["--shard-size", "4", "--max-tokens-per-batch", "600"]
+    rerun = CliRunner().invoke(app, arguments)
+    assert rerun.exit_code == 0, rerun.output
+    assert rerun.stderr.strip().splitlines() == [
+        "re-embedded shard-00000.parquet: it was damaged (its content does not match its checksum)"
+    ]
+    # A shard cut short no longer reads as parquet: named too, not a raw ArrowInvalid.
+    (out / "shard-00002.parquet").write_bytes((out / "shard-00002.parquet").read_bytes()[:-20])
+    with pytest.raises(UserError, match=r"shard shard-00002.parquet is damaged \(it cannot be read: "):
+        read_output(out)
+
+
+def test_an_unwritable_output_is_one_line_and_exit_2(minilm_dir, corpus, tmp_path, monkeypatch):
+    real_mkdir, real_replace = Path.mkdir, os.replace
+    refused = tmp_path / "refused"
+
+    def mkdir(self, *args, **kwargs):
+        if self == refused:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    def replace(source, target, *args, **kwargs):  # a shard that cannot be written (permissions, disk full)
+        if str(target).endswith(".parquet"):
+            raise PermissionError(13, "Permission denied", str(target))
+        return real_replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(os, "replace", replace)
+    runner = CliRunner()
+    for out, message in [
+        (refused, f"error: cannot write {refused}/.lock: Permission denied"),
+        (tmp_path / "out", f"error: cannot write {tmp_path}/out/shard-00000.parquet: Permission denied"),
+    ]:
+        failed = runner.invoke(app, ["embed", str(minilm_dir), str(corpus), "-o", str(out), "--exact", "-q"])
+        assert failed.exit_code == 2, failed.output
+        assert failed.stderr.strip().splitlines() == [message]
+    assert not list((tmp_path / "out").glob(".shard-*"))  # no temporary file left behind
 
 
 # --------------------------------------------------------------------------------------------------

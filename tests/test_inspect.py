@@ -325,3 +325,20 @@ def test_a_text_file_gives_its_first_non_empty_lines(tmp_path):
         inspection.load_text_file(tmp_path / "blank.txt")
     with pytest.raises(UserError, match="does not exist"):
         inspection.load_text_file(tmp_path / "gone.txt")
+
+
+def test_inspect_refuses_a_used_output_folder_like_evaluate(tiny, tmp_path):
+    folder, _, _ = tiny
+    out = tmp_path / "out"
+    args = ["inspect", str(folder), "--text", TEXTS[0], "-c", "4", "--backend", "reference", "-o", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    first = (out / "inspect.json").read_bytes()
+    (out / "notes.txt").write_text("mine", encoding="utf-8")
+    again = runner.invoke(app, [*args[:3], TEXTS[1], *args[4:]])
+    assert again.exit_code == 2, again.output
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"output folder {out} is not empty (inspect.json" in lines[0], again.stderr
+    assert "--overwrite" in lines[0] and (out / "inspect.json").read_bytes() == first  # nothing replaced
+    replaced = runner.invoke(app, [*args[:3], TEXTS[1], *args[4:], "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert (out / "inspect.json").read_bytes() != first and (out / "notes.txt").read_text() == "mine"

@@ -264,6 +264,21 @@ def test_bad_tensors_are_refused_with_a_message():
         clustered_attention(q, k, v, torch.ones(2, 8), config())
 
 
+@pytest.mark.parametrize("mode", ["i-clustered+", "clustered"])
+def test_degenerate_shapes_give_an_empty_result_or_say_what_is_allowed(mode):
+    # No rows (a (0, N) mask too), no heads and no tokens: an empty result, as torch's SDPA gives.
+    for rows, heads, n in [(0, 2, 40), (2, 0, 40), (2, 2, 0)]:
+        q, k, v = qkv(rows=rows, heads=heads, n=n)
+        for valid in (None, torch.ones(rows, n, dtype=torch.bool)):
+            out = clustered_attention(q, k, v, valid, config(mode=mode, clusters=4, topk=3))
+            assert out.shape == (rows, heads, n, 8)
+    # A head dim of 0 has no scaling 1/sqrt(Dk) and nothing to hash: refused, saying what is allowed.
+    q, k, v = qkv(dk=0)
+    for valid in (None, torch.ones(2, 48, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"head dim Dk must be at least 1, got query \(2, 3, 48, 0\)"):
+            clustered_attention(q, k, v, valid, config(mode=mode))
+
+
 # --- the proposition on real BERT queries --------------------------------------------------------
 
 

@@ -1,11 +1,16 @@
 """Reading an embed input into documents, with every document that cannot be embedded recorded.
 
-A plain text file is read here, as bytes, one document a line, so that an undecodable line is reported
-with its line number. JSONL, JSON, CSV and parquet files, ``datasets`` folders (``save_to_disk``) and
+Plain text, JSONL and CSV files are read here, as bytes, so that every problem is reported with its line
+as an editor counts it (1-based; ``datasets`` skips blank lines and names no line): a text file holds
+one document a line, a JSONL file one JSON object a line (blank lines allowed), a CSV file a header and
+one record a row (quoted cells may hold newlines; every cell is text, ``NA`` and ``null`` included).
+JSON and parquet files, ``datasets`` folders (``save_to_disk``), folders of data files of one format and
 dataset names (the hub, when online) go through ``datasets``. ``package:squad-articles`` names the 48
 SQuAD v1.1 dev articles shipped in ``bert_cluster/data`` (the long documents of the demo).
 Empty, whitespace-only, undecodable or non-string texts and repeated ids become ``Problem`` records:
-never dropped silently, never embedded.
+never dropped silently, never embedded. A JSONL or CSV file that is malformed (a line that is not UTF-8
+or not a JSON object, a row with more cells than the header) is refused, naming its file and line; an
+input without a single record is refused too ("no documents").
 """
 
 from __future__ import annotations
@@ -17,8 +22,23 @@ from typing import Any
 
 from bert_cluster.evaluation.errors import UserError, one_line
 
-#: File endings read through ``datasets.load_dataset(<builder>, data_files=...)`` (with or without .gz).
+#: File endings read as tables (with or without .gz): JSONL and CSV here, the others through
+#: ``datasets.load_dataset(<builder>, data_files=...)``.
 TABLE_FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv", ".parquet": "parquet"}
+#: Read here, line by line, so that a problem names its line.
+LINE_FORMATS = (".jsonl", ".ndjson", ".csv")
+#: A folder's data files by format (how datasets groups them); any other ending is a format of its own.
+FOLDER_FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 #: The packaged corpora an input may name (``package:NAME``).
 PACKAGED = ("squad-articles",)
 PACKAGE_PREFIX = "package:"
@@ -26,7 +46,7 @@ PACKAGE_PREFIX = "package:"
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One text to embed; ``line`` is its line in a text or JSONL file, else its row number (from 1)."""
+    """One text to embed; ``line``: where it starts in a text, JSONL or CSV file, else its row (from 1)."""
 
     id: str
     text: str
@@ -80,8 +100,9 @@ class _Collector:
         self.first_line: dict[str, int] = {}
         self.digest = hashlib.sha256()
 
-    def add(self, identifier: Any, text: Any, line: int) -> None:
-        identifier = str(line) if identifier is None else str(identifier)
+    def add(self, identifier: Any, text: Any, line: int, row: int | None = None) -> None:
+        """One record; without an id its id is ``row`` (its number among the records), else ``line``."""
+        identifier = str(line if row is None else row) if identifier is None else str(identifier)
         reason = _text_problem(text)
         if reason is None and identifier in self.first_line:
             reason = f"repeated id (first at line {self.first_line[identifier]})"
@@ -95,24 +116,48 @@ class _Collector:
         self.digest.update(text.encode("utf-8", "surrogatepass"))
 
     def corpus(self) -> Corpus:
+        if not self.documents and not self.problems:
+            raise UserError(f"{self.source}: no documents (the input holds no record)")
         return Corpus(self.documents, self.problems, self.source, self.digest.hexdigest())
+
+
+def _file_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed when it ends in .gz."""
+    try:
+        data = path.read_bytes()
+        if path.suffix.lower() == ".gz":
+            import gzip
+
+            data = gzip.decompress(data)
+    except (OSError, EOFError) as error:
+        raise UserError(f"cannot read {path}: {one_line(error)}") from None
+    return data
+
+
+def _raw_lines(path: Path) -> list[bytes]:
+    """The file's lines (LF or CRLF, the ending removed; a final newline ends the last line), no BOM."""
+    lines = _file_bytes(path).split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    lines = [line.removesuffix(b"\r") for line in lines]
+    if lines:
+        lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
+    return lines
+
+
+def _decoded(path: Path, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(
+            f"{path} line {number}: not valid UTF-8 (byte {error.start + 1} of the line)"
+        ) from None
 
 
 def read_text_lines(path: Path) -> Corpus:
     """One document a line (LF or CRLF); ids are line numbers; a final newline ends the last line."""
     collector = _Collector(str(path))
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        import gzip
-
-        data = gzip.decompress(data)
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for number, raw in enumerate(lines, start=1):
-        raw = raw.removesuffix(b"\r")
-        if number == 1:
-            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
+    for number, raw in enumerate(_raw_lines(path), start=1):
         try:
             text: Any = raw.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -122,6 +167,114 @@ def read_text_lines(path: Path) -> Corpus:
             collector.digest.update(f"P\0{number}\0undecodable\0".encode() + raw)
             continue
         collector.add(None, text, number)
+    return collector.corpus()
+
+
+def read_jsonl(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
+    """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
+
+    Raises:
+        UserError: a line is not UTF-8, not JSON or not an object (file and line named), a field is not
+            among the objects' keys, or the file holds no object.
+    """
+    import json
+
+    wanted = {text_field or "text", id_field}
+    records: list[tuple[int, dict[str, Any]]] = []
+    columns: dict[str, None] = {}
+    for number, raw in enumerate(_raw_lines(path), start=1):
+        if not raw.strip():
+            continue
+        line = _decoded(path, number, raw)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(
+                f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
+            ) from None
+        except RecursionError:
+            raise UserError(f"{path} line {number}: JSON nested too deeply") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
+        columns.update(dict.fromkeys(record))
+        records.append((number, {key: record[key] for key in wanted if key in record}))
+    if not records:
+        raise UserError(f"{path}: no documents (no JSON object in the file)")
+    text_field = _check_fields(list(columns), str(path), text_field, id_field)
+    collector = _Collector(str(path))
+    for row, (number, record) in enumerate(records, start=1):
+        identifier = record.get(id_field) if id_field else None
+        collector.add(identifier, record.get(text_field), number, row)
+    return collector.corpus()
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def read_csv(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
+    """A header, then one record a row; every cell is text (no NA parsing: ``NA``, ``null`` are text).
+
+    ``line`` is the line a record starts on (the header is line 1; quoted cells may span lines); an
+    empty id cell means no id (the row number). A row with fewer cells than the header lacks the rest.
+
+    Raises:
+        UserError: a line is not UTF-8, the CSV is malformed (an unclosed quote, text after a closing
+            quote, more cells than the header) or a field is not a column: file and line named.
+    """
+    import csv
+    import sys
+
+    # Lines keep their endings: a CR inside a quoted cell is the cell's (the parser drops a row's CRLF).
+    lines = _file_bytes(path).split(b"\n")
+    ended = [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+    if ended:
+        ended[0] = ended[0].removeprefix(b"\xef\xbb\xbf")
+
+    def decoded():  # lazily, so that an undecodable line is named when the parser reaches it
+        for number, raw in enumerate(ended, start=1):
+            yield _decoded(path, number, raw)
+
+    reader = csv.reader(decoded(), strict=True)
+    limit = csv.field_size_limit(sys.maxsize)  # a whole document in one cell
+    records: list[tuple[int, list[str]]] = []
+    header: list[str] | None = None
+    try:
+        while True:
+            start = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as error:
+                raise UserError(f"{path} line {reader.line_num}: not valid CSV ({error})") from None
+            if not cells:
+                continue  # a blank line
+            if header is None:
+                header = cells
+                repeated = sorted({name for name in cells if cells.count(name) > 1})
+                if repeated:
+                    raise UserError(f"{path} line {start}: column(s) {repeated} appear twice in the header")
+                continue
+            if len(cells) > len(header):
+                raise UserError(f"{path} line {start}: {len(cells)} cells where the header has {len(header)}")
+            records.append((start, cells))
+    finally:
+        csv.field_size_limit(limit)
+    if header is None or not records:
+        raise UserError(f"{path}: no documents (no record under a header)")
+    text_field = _check_fields(header, str(path), text_field, id_field)
+    position = {name: index for index, name in enumerate(header)}
+    collector = _Collector(str(path))
+    for row, (number, cells) in enumerate(records, start=1):
+
+        def cell(name: str, cells: list[str] = cells) -> str | None:
+            index = position[name]
+            return cells[index] if index < len(cells) else None
+
+        identifier = (cell(id_field) or None) if id_field else None
+        collector.add(identifier, cell(text_field), number, row)
     return collector.corpus()
 
 
@@ -149,15 +302,20 @@ def _check_fields(columns: list[str], source: str, text_field: str | None, id_fi
 
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    """``datasets.load_dataset`` quietly, with its failures as one-line ``UserError``s."""
+    """``datasets.load_dataset`` quietly, with its failures as one-line ``UserError``s naming the input."""
     from bert_cluster.evaluation.data import _load_dataset as load
 
+    source = kwargs.get("data_files") or (args[0] if args else "the input")
     try:
         return load(*args, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"cannot read {args[0] if args else 'the input'}: {one_line(error)}") from None
     except Exception as error:  # datasets' own errors (DatasetGenerationError, ...) derive from Exception
-        raise UserError(f"cannot read the input: {type(error).__name__}: {one_line(error)}") from None
+        # datasets has no error type of its own for an input without a record: a bare StopIteration (an
+        # empty JSON file) or a ValueError saying the split "corresponds to no data".
+        if isinstance(error, StopIteration) or "corresponds to no data" in str(error):
+            raise UserError(f"{source}: no documents (no record in it)") from None
+        if isinstance(error, (OSError, ValueError, KeyError, TypeError)):
+            raise UserError(f"cannot read {source}: {one_line(error)}") from None
+        raise UserError(f"cannot read {source}: {type(error).__name__}: {one_line(error)}") from None
 
 
 def _one_split(loaded: Any, source: str, split: str | None) -> Any:
@@ -194,6 +352,39 @@ def _packaged(name: str) -> Corpus:
     return collector.corpus()
 
 
+def _format(path: Path) -> str:
+    """The format of a data file in a folder, by its ending (a compression ending looked through)."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    while suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    ending = suffixes[-1] if suffixes else "(no ending)"
+    return FOLDER_FORMATS.get(ending, ending)
+
+
+def _check_one_format(folder: Path) -> None:
+    """Refuse a folder of data files of several formats: ``datasets`` would read one and skip the rest.
+
+    Hidden files and folders and a README.md (a dataset card) are not data.
+    """
+    found: dict[str, list[str]] = {}
+    for file in sorted(folder.rglob("*")):
+        relative = file.relative_to(folder)
+        if not file.is_file() or any(part.startswith(".") for part in relative.parts):
+            continue
+        if relative.name.lower() == "readme.md":
+            continue
+        found.setdefault(_format(file), []).append(str(relative))
+    if len(found) > 1:
+        listed = "; ".join(
+            f"{name}: {', '.join(files[:2])}{', ...' if len(files) > 2 else ''}"
+            for name, files in found.items()
+        )
+        raise UserError(
+            f"{folder} holds files of {len(found)} formats ({listed}), and a folder is read as one format: "
+            "give the files one at a time, or a folder of one format"
+        )
+
+
 def read_documents(
     source: str | Path,
     text_field: str | None = None,
@@ -213,7 +404,8 @@ def read_documents(
         split: the split of a dataset with several.
 
     Raises:
-        UserError: the source does not exist or cannot be read, or a field is not among its columns.
+        UserError: the source does not exist, cannot be read, is malformed (file and line named), holds
+            no record, is a folder of several formats, or a field is not among its columns.
     """
     text = str(source).strip()
     if not text:
@@ -232,6 +424,11 @@ def read_documents(
         return read_text_lines(path.resolve())
     if json_field is not None and inner != ".json":
         raise UserError("--json-field is for a .json file holding a mapping of record lists")
+    if path.is_file() and inner in LINE_FORMATS:
+        if split is not None:
+            raise UserError(f"{path} has no splits: leave out --split")
+        reader = read_csv if inner == ".csv" else read_jsonl
+        return reader(path.resolve(), text_field, id_field)
     if path.is_file():
         kwargs = {"field": json_field} if json_field else {}
         dataset = _one_split(
@@ -248,6 +445,7 @@ def read_documents(
                 raise UserError(f"cannot read the dataset folder {path}: {one_line(error)}") from None
             dataset = _one_split(loaded, str(path), split)
         else:
+            _check_one_format(path)
             dataset = _one_split(_load_dataset(str(path)), str(path), split)
         source_name = str(path.resolve())
     elif text.startswith((".", "/", "~")) or path.suffix:

@@ -48,6 +48,8 @@ class EmbedResult:
     documents_per_second: float | None
     tokens_per_second: float | None
     manifest: dict[str, Any]
+    #: Shards found damaged (name: why) and embedded again by this run.
+    damaged_shards: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class EmbedInterrupted(Exception):
@@ -195,12 +197,14 @@ def embed(
         max_tokens_per_batch: padded tokens (rows x longest row) per model pass.
         shard_size: documents per shard.
         device: cpu, cuda or cuda:N (launched processes on GPUs take one GPU each).
-        overwrite: replace an output folder of other settings (only an embed run's files are removed).
+        overwrite: replace an embed run of other settings in ``output``: only the files its state lists
+            are removed; any other file in the folder is refused.
         progress: called after each batch with this process's documents and tokens done and to do.
 
     Raises:
-        UserError: a bad argument, an unreadable model or input, an output of other settings, or an
-            output another run is writing.
+        UserError: a bad argument, an unreadable, malformed or empty input, an unreadable model, an
+            output of other settings or holding other files, an output another run is writing (checked
+            before any work), or a write that fails.
         EmbedInterrupted: Ctrl-C; the shards written so far stay and the same call continues from them.
     """
     _check(dtype, max_length, max_tokens_per_batch, shard_size, device)
@@ -212,54 +216,64 @@ def embed(
     from bert_cluster.evaluation.parallel import Workers
 
     workers = Workers(device)
-    corpus = read_documents(input, text_field, id_field, json_field, split)
-    encoder = _load(model, workers.device(device), dtype)
-    if max_length is None:
-        max_length = encoder.positions or encoder.model.max_seq_length
-    elif encoder.positions is not None and max_length > encoder.positions:
-        raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
-    encoder.model.max_seq_length = max_length
-    if config is not None:
-        import bert_cluster
-
-        bert_cluster.convert(encoder.model, config=config)
-    texts = [document.text for document in corpus.documents]
-    counts = count_tokens(
-        encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))
-    )
-    lengths = [min(count, max_length) for count in counts]
-    plan = make_plan(lengths, shard_size, max_tokens_per_batch)
-
-    import torch
-
-    settings = {
-        "layout": store.LAYOUT_VERSION,
-        "model": {"path": encoder.path, "files": _model_files(encoder.path)},
-        "input": {
-            "source": corpus.source,
-            "content_sha256": corpus.fingerprint,
-            "documents": len(corpus.documents),
-            "problems": len(corpus.problems),
-            "text_field": text_field,
-            "id_field": id_field,
-            "json_field": json_field,
-            "split": split,
-        },
-        "exact": exact,
-        "attention": None if config is None else config.to_dict(),
-        "dtype": dtype,
-        "max_length": max_length,
-        "max_tokens_per_batch": max_tokens_per_batch,
-        "shard_size": shard_size,
-        "device": torch.device(device).type,
-        "versions": _versions(),
-    }
     with contextlib.ExitStack() as held:
+        # The lock and the folder's check come first: a second writer is refused before any work.
         failure = None
         if workers.is_main:
             try:
                 held.enter_context(store.locked(output))
-                store.prepare(output, settings, overwrite)
+                store.check_folder(output, overwrite)
+            except UserError as error:
+                failure = str(error)
+        failures = [message for message in workers.gather([failure]) if message]
+        if failures:
+            raise UserError(failures[0])
+        corpus = read_documents(input, text_field, id_field, json_field, split)
+        encoder = _load(model, workers.device(device), dtype)
+        if max_length is None:
+            max_length = encoder.positions or encoder.model.max_seq_length
+        elif encoder.positions is not None and max_length > encoder.positions:
+            raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
+        encoder.model.max_seq_length = max_length
+        if config is not None:
+            import bert_cluster
+
+            bert_cluster.convert(encoder.model, config=config)
+        texts = [document.text for document in corpus.documents]
+        counts = count_tokens(
+            encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))
+        )
+        lengths = [min(count, max_length) for count in counts]
+        plan = make_plan(lengths, shard_size, max_tokens_per_batch)
+
+        import torch
+
+        settings = {
+            "layout": store.LAYOUT_VERSION,
+            "model": {"path": encoder.path, "files": _model_files(encoder.path)},
+            "input": {
+                "source": corpus.source,
+                "content_sha256": corpus.fingerprint,
+                "documents": len(corpus.documents),
+                "problems": len(corpus.problems),
+                "text_field": text_field,
+                "id_field": id_field,
+                "json_field": json_field,
+                "split": split,
+            },
+            "exact": exact,
+            "attention": None if config is None else config.to_dict(),
+            "dtype": dtype,
+            "max_length": max_length,
+            "max_tokens_per_batch": max_tokens_per_batch,
+            "shard_size": shard_size,
+            "device": torch.device(device).type,
+            "versions": _versions(),
+        }
+        failure = None
+        if workers.is_main:
+            try:
+                store.prepare(output, settings, overwrite, [shard.name for shard in plan])
             except UserError as error:
                 failure = str(error)
         # Rank 0's settings are the run's (a model copied to another machine has other file times).
@@ -271,20 +285,20 @@ def embed(
             raise UserError("the processes read different documents from the input: give every one the same")
         settings = views[0][2]
         key = store.fingerprint(settings)
-        done = store.complete_shards(output, key)
-        mine = [shard for shard in plan[workers.rank :: workers.count] if shard.name not in done]
+        share = plan[workers.rank :: workers.count]
+        # Every shard of this process's share on disk is read and its checksum recomputed: a damaged one
+        # is embedded again.
+        done, damaged = store.complete_shards(output, key, [shard.name for shard in share])
+        mine = [shard for shard in share if shard.name not in done]
         began = time.perf_counter()
-        measured = _run_shards(
-            encoder.model, mine, corpus, counts, lengths, max_length, key, output, progress
+        documents, tokens, written = _run_shards(
+            encoder.model, mine, corpus, counts, lengths, max_length, key, output, progress, len(done)
         )
         seconds = time.perf_counter() - began
-        parts = workers.gather([(seconds, *measured)])
+        parts = workers.gather([(seconds, documents, tokens, {**done, **written}, done, damaged)])
         if workers.state is not None:
             workers.state.wait_for_everyone()
-        result = _finish(
-            workers.is_main, output, plan, corpus, counts, max_length, settings, encoder, parts, done
-        )
-    return result
+        return _finish(workers.is_main, output, plan, corpus, counts, max_length, settings, encoder, parts)
 
 
 def _versions() -> dict[str, str | None]:
@@ -304,8 +318,12 @@ def _run_shards(
     key: str,
     output: Path,
     progress: Progress | None,
-) -> tuple[int, int]:
-    """Encode and write ``shards``; returns the documents and tokens embedded."""
+    complete: int = 0,
+) -> tuple[int, int, dict[str, str]]:
+    """Encode and write ``shards`` (``complete`` more of this share are on disk already).
+
+    Returns the documents and tokens embedded and each written shard's checksum.
+    """
     import torch
 
     total_documents = sum(len(shard.documents) for shard in shards)
@@ -321,19 +339,16 @@ def _run_shards(
 
     if progress is not None:
         progress(0, 0, total_documents, total_tokens)
-    written = 0
+    written: dict[str, str] = {}
     try:
         with torch.inference_mode():
             for shard in shards:
                 vectors = _encode_shard(model, shard, corpus, lengths, advance)
-                store.write_shard(
-                    output, shard.name, _shard_table(shard, corpus, counts, vectors, max_length, key)
-                )
-                written += 1
+                table = _shard_table(shard, corpus, counts, vectors, max_length, key)
+                written[shard.name] = store.write_shard(output, shard.name, table)[1]
     except KeyboardInterrupt:
-        complete = len(store.complete_shards(output, key))
-        raise EmbedInterrupted(output, complete, len(shards) + complete - written) from None
-    return documents, tokens
+        raise EmbedInterrupted(output, complete + len(written), complete + len(shards)) from None
+    return documents, tokens, written
 
 
 def _finish(
@@ -345,15 +360,21 @@ def _finish(
     max_length: int,
     settings: dict[str, Any],
     encoder: Any,
-    parts: list[tuple[float, int, int]],
-    resumed: set[str],
+    parts: list[tuple[float, int, int, dict[str, str], dict[str, str], dict[str, str]]],
 ) -> EmbedResult:
-    """The result on every process; rank 0 writes the manifest, after every shard is on disk."""
+    """The result on every process; rank 0 writes the manifest, after every shard is on disk.
+
+    ``parts``: each process's seconds, documents, tokens, checksums (name: sha256), resumed shards and
+    damaged shards (name: why).
+    """
     from bert_cluster.evaluation.report import environment
 
     seconds = max((part[0] for part in parts), default=0.0)
     documents = sum(part[1] for part in parts)
     tokens = sum(part[2] for part in parts)
+    checksums = {name: checksum for part in parts for name, checksum in part[3].items()}
+    resumed = {name for part in parts for name in part[4]}
+    damaged = {name: why for part in parts for name, why in part[5].items()}
     truncated = sum(count > max_length for count in counts)
     dimension = encoder.model.get_embedding_dimension()
     manifest_file = output / store.MANIFEST
@@ -374,9 +395,11 @@ def _finish(
         },
         "problems": [problem.to_dict() for problem in corpus.problems],
         "shards": [shard.name for shard in plan],
+        "checksums": {shard.name: checksums[shard.name] for shard in plan},
         "this_run": {
             "shards_written": len(plan) - len(resumed),
             "shards_resumed": len(resumed),
+            "shards_damaged": damaged,
             "documents": documents,
             "tokens": tokens,
             "seconds": seconds,
@@ -406,4 +429,5 @@ def _finish(
         documents_per_second=run["documents_per_second"],
         tokens_per_second=run["tokens_per_second"],
         manifest=manifest,
+        damaged_shards=damaged,
     )

@@ -279,7 +279,10 @@ def convert_checkpoint(
         bert_cluster.convert(loaded, config=config)
     except (TypeError, ValueError) as error:
         raise UserError(f"cannot convert {source}: {error}") from None
-    output.mkdir(parents=True, exist_ok=True)
-    loaded.save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        loaded.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+    except OSError as error:  # permissions, a full disk, a read-only file system: one line, not a traceback
+        raise UserError(f"cannot write the checkpoint to {output}: {error.strerror or error}") from None
     return output
