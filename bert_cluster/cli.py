@@ -2,7 +2,7 @@
 
 Each command parses its options, builds the objects the API takes (a ``ClusteredAttentionConfig``, or
 the settings to change in it), calls the API and renders the result with rich (the reporters and
-tables are in ``bert_cluster.evaluation.render``): tables on stdout, progress and errors on stderr. A
+tables are in ``bert_cluster.render``): tables on stdout, progress and errors on stderr. A
 user mistake becomes one line on stderr and exit code 2, without a traceback; Ctrl-C during a run says
 in one line where the partial results are (exit 130).
 ``python -m bert_cluster`` is the same command (so ``accelerate launch -m bert_cluster evaluate`` works).
@@ -151,7 +151,7 @@ QuietOpt = Annotated[
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn a user mistake into one line on stderr and exit code 2; Ctrl-C into one line and exit 130."""
-    from bert_cluster.evaluation.errors import UserError, one_line
+    from bert_cluster.errors import UserError, one_line
     from bert_cluster.evaluation.runner import RunInterrupted
 
     try:
@@ -239,8 +239,8 @@ def evaluate(
 ) -> None:
     """Score MODEL unmodified and with clustered attention in each configuration, on each task."""
     from bert_cluster import evaluation
-    from bert_cluster.evaluation.parallel import is_main_process
-    from bert_cluster.evaluation.render import progress_reporter, results_table
+    from bert_cluster.parallel import is_main_process
+    from bert_cluster.render import progress_reporter, results_table
 
     quiet = quiet or not is_main_process()  # launched processes: only the first one speaks
     reporter = None if quiet or as_json else progress_reporter(stderr)
@@ -300,12 +300,12 @@ def convert(
     attention: dict[str, Any] | None = None,
 ) -> None:
     """Save a checkpoint patched with clustered attention (``import bert_cluster`` re-applies it on load)."""
-    from bert_cluster import evaluation
+    from bert_cluster.checkpoints import convert_checkpoint
 
     with user_errors():
         preset = ClusteredAttentionConfig.for_convert().to_dict()  # convert's defaults (min_length auto)
         config = _config({**preset, **(attention or {})}, clusters, mode, seed)
-        saved = evaluation.convert_checkpoint(model, output, config, overwrite=overwrite)
+        saved = convert_checkpoint(model, output, config, overwrite=overwrite)
     stdout.print(
         f"saved {saved} ({config.mode}, C={config.clusters}, topk={config.topk}, seed={config.seed})",
         highlight=False,
@@ -369,7 +369,7 @@ def embed(
     """Embed every document of INPUT into parquet shards; a stopped run continues on the same command."""
     from bert_cluster import embedding
     from bert_cluster.embedding.progress import ProgressBar
-    from bert_cluster.evaluation.parallel import is_main_process
+    from bert_cluster.parallel import is_main_process
 
     quiet = quiet or not is_main_process()
     bar = ProgressBar(stderr) if not quiet else None
@@ -522,9 +522,9 @@ def tune(
     that fails, going down.
     """
     from bert_cluster import evaluation
-    from bert_cluster.evaluation.errors import UserError
-    from bert_cluster.evaluation.parallel import is_main_process
-    from bert_cluster.evaluation.render import CandidateLines, progress_reporter, tune_table
+    from bert_cluster.errors import UserError
+    from bert_cluster.parallel import is_main_process
+    from bert_cluster.render import CandidateLines, progress_reporter, tune_table
 
     quiet = quiet or not is_main_process()
     reporter = None if quiet or as_json else CandidateLines(progress_reporter(stderr), stderr)
@@ -615,7 +615,7 @@ def kernels_build(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show compiler output.")] = False,
 ) -> None:
     """Compile the C++ (and optionally CUDA) kernels for the installed torch."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
 
     with user_errors():
         try:
@@ -658,7 +658,7 @@ def validate(
     ] = None,
 ) -> None:
     """Check task YAML files: each must load into a TaskConfig its kind accepts (fields, options, metrics)."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
     from bert_cluster.evaluation.kinds import get_kind
     from bert_cluster.evaluation.tasks import load_catalog, load_task_file
 
@@ -719,7 +719,7 @@ def inspect_command(
     attention: dict[str, Any] | None = None,
 ) -> None:
     """Per layer and head: relative error against exact attention, top-k mass, cluster sizes."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
 
     with user_errors():
         sources = [name for name, given in (("--text", text), ("--file", file), ("--task", task)) if given]
@@ -741,7 +741,9 @@ def inspect_command(
         elif file is not None:
             inputs, given = inspection.load_text_file(file, limit), str(file)
         else:
-            inputs, given = inspection.load_task_texts(task, data_dir, limit), f"task {task}"
+            from bert_cluster.evaluation import load_task_texts  # datasets, pandas: only for --task
+
+            inputs, given = load_task_texts(task, data_dir, limit), f"task {task}"
         report = inspection.inspect_checkpoint(
             model,
             inputs,
@@ -758,7 +760,7 @@ def inspect_command(
     if as_json:
         print(json.dumps(report.summary(max_error)))
     else:
-        from bert_cluster.evaluation.render import inspection_table
+        from bert_cluster.render import inspection_table
 
         stdout.print(inspection_table(report, per_head))
         stdout.print(report.advice(max_error), highlight=False)

@@ -15,7 +15,7 @@ keys and values, and compares on them, per head, exact attention with clustered 
 A layer whose error stays small can be patched; ``Inspection.suggest_layers`` names the layers to pass as
 ``layers=`` for a given error budget. The same numbers back ``bert-cluster inspect`` (table, JSON and a
 heatmap PNG); ``write`` saves inspect.json / inspect.md / inspect.png through the one report writer
-(``bert_cluster.evaluation.report.write_report``). Importing this module imports neither transformers nor
+(``bert_cluster.reports.write_report``). Importing this module imports neither transformers nor
 the evaluation package. (Named ``inspection``, not ``inspect``, so that it never shadows the standard
 library's ``inspect``.)
 """
@@ -235,7 +235,7 @@ class Inspection:
             fontsize=10,
         )
         figure.tight_layout()
-        from bert_cluster.evaluation.report import atomic_write
+        from bert_cluster.reports import atomic_write
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -411,7 +411,7 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
     if window is not None or key.shape[-2] != length:
         recorder.skipped.add(layer)  # a band or cross-attention layer: not clustered by convert
     else:
-        valid = hf._valid_from_mask(attention_mask, batch, length)
+        valid = hf.valid_from_mask(attention_mask, batch, length)
         if valid is None:
             valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
         k, v = key, value
@@ -420,7 +420,7 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
         scale = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
         recorder.captured.append((layer, query.detach(), k.detach(), v.detach(), valid, scale))
-    return hf._original_attention(
+    return hf.original_attention(
         module, "sdpa", query, key, value, attention_mask, half_window,
         {**kwargs, "scaling": scaling, "dropout": 0.0},
     )  # fmt: skip
@@ -502,10 +502,10 @@ def inspect_model(
     """
     from bert_cluster import hf
 
-    hf._check_model(model)
+    hf.check_model(model)
     if config is None:
         stored = getattr(model.config, hf.SETTINGS_KEY, None)
-        config = hf._settings_of(model.config)[0] if isinstance(stored, dict) else ClusteredAttentionConfig()
+        config = hf.settings_of(model.config)[0] if isinstance(stored, dict) else ClusteredAttentionConfig()
     elif not isinstance(config, ClusteredAttentionConfig):
         raise TypeError(f"config must be a ClusteredAttentionConfig, got {type(config).__name__}")
     if settings:
@@ -515,7 +515,7 @@ def inspect_model(
     encoded = _encode(tokenizer, inputs, max_length)
     device = next(model.parameters()).device
     # The layer indices convert gives (the same hash planes as the converted model).
-    layer_of = {key: index for key, (_, index) in hf._layer_indices(model).items()}
+    layer_of = {key: index for key, (_, index) in hf.layer_indices(model).items()}
     _register_capture()
     previous = model.config._attn_implementation
     totals, sequences, tokens, skipped = _Totals(), 0, 0, set()
@@ -571,8 +571,8 @@ def inspect_checkpoint(
     Raises:
         UserError: the model cannot be loaded, or ``output`` cannot be written.
     """
-    from bert_cluster.evaluation.modeling import load_encoder
-    from bert_cluster.evaluation.report import check_output
+    from bert_cluster.checkpoints import load_encoder
+    from bert_cluster.reports import check_output
 
     if output is not None:
         check_output(output, overwrite=True)
@@ -584,32 +584,13 @@ def inspect_checkpoint(
     return report
 
 
-def load_task_texts(
-    task: str, data_dir: str | Path | Sequence[str | Path] | None = None, limit: int = 16
-) -> list[str] | list[tuple[str, str]]:
-    """The first ``limit`` inputs of an evaluation task (its ``text_fields``), as texts or text pairs.
-
-    Imports the evaluation package (datasets, pandas): only when a task is asked for.
-    """
-    from bert_cluster.evaluation.data import load_rows
-    from bert_cluster.evaluation.tasks import get_tasks
-
-    (config,) = get_tasks(task)
-    folders = [data_dir] if isinstance(data_dir, (str, Path)) else data_dir
-    rows = load_rows(config, list(folders) if folders else None).rows[:limit]
-    fields = list(config.text_fields)
-    if len(fields) == 1:
-        return [str(row[fields[0]]) for row in rows]
-    return [(str(row[fields[0]]), str(row[fields[1]])) for row in rows]
-
-
 def load_text_file(path: str | Path, limit: int = 16) -> list[str]:
     """The first ``limit`` non-empty lines of a UTF-8 text file, stripped: one input per line.
 
     Raises:
         UserError: the file is missing, unreadable or has no non-empty line.
     """
-    from bert_cluster.evaluation.errors import UserError, one_line
+    from bert_cluster.errors import UserError, one_line
 
     path = Path(path)
     if not path.is_file():
@@ -632,7 +613,7 @@ def markdown(
     environment: Mapping[str, Any] | None = None,
 ) -> str:
     """inspect.md: the suggested layers, the per-layer and per-head tables, the settings and environment."""
-    from bert_cluster.evaluation.report import markdown_table, metadata_markdown
+    from bert_cluster.reports import markdown_table, metadata_markdown
 
     lines = [f"# bert-cluster inspect: {model}" if model else "# bert-cluster inspect", ""]
     lines += [f"{report.advice(max_error)}.", ""]
@@ -661,10 +642,10 @@ def write(
 ) -> dict[str, Path]:
     """Write inspect.json (``summary`` plus model, settings, environment), inspect.md and inspect.png.
 
-    Through the one report writer (``bert_cluster.evaluation.report.write_report``), as evaluate's and
+    Through the one report writer (``bert_cluster.reports.write_report``), as evaluate's and
     tune's reports are; ``settings`` adds to the recorded settings (the inputs, ``max_length``).
     """
-    from bert_cluster.evaluation import report as reports
+    from bert_cluster import reports
 
     run = {"model": model, "max_error": max_error, **(settings or {}), "config": report.config.to_dict()}
     environment = reports.environment(device)
@@ -687,7 +668,6 @@ __all__ = [
     "inspect_checkpoint",
     "inspect_layer",
     "inspect_model",
-    "load_task_texts",
     "load_text_file",
     "markdown",
     "write",

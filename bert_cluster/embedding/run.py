@@ -21,7 +21,7 @@ from bert_cluster.config import CONVERT_SETTINGS, ClusteredAttentionConfig
 from bert_cluster.embedding import store
 from bert_cluster.embedding.documents import Corpus, Problem, read_documents
 from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
-from bert_cluster.evaluation.errors import UserError, positive_int
+from bert_cluster.errors import UserError, positive_int
 
 DTYPES = ("float32", "bfloat16")
 #: Padded tokens per model pass (rows x longest row): 32 documents of 512 tokens.
@@ -62,7 +62,7 @@ def _attention_config(
     attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
 ) -> ClusteredAttentionConfig:
     """A config as given, or ``convert``'s preset with the settings of a mapping."""
-    from bert_cluster.evaluation import attention_config
+    from bert_cluster.checkpoints import attention_config
 
     return attention_config(attention, {}, preset=CONVERT_SETTINGS)
 
@@ -91,7 +91,7 @@ def _load(model: str | Path, device: str, dtype: str) -> _Encoder:
     """The SentenceTransformer of ``model`` on ``device`` in ``dtype``, and what its modules do."""
     import torch
 
-    from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
+    from bert_cluster.checkpoints import load_sentence_encoder, max_positions
 
     encoder, path = load_sentence_encoder(model, device)
     if dtype == "bfloat16":
@@ -209,7 +209,7 @@ def embed(
     if output.exists() and not output.is_dir():
         raise UserError(f"output {output} exists and is not a folder")
 
-    from bert_cluster.evaluation.parallel import Workers
+    from bert_cluster.parallel import Workers
 
     workers = Workers(device)
     corpus = read_documents(input, text_field, id_field, json_field, split)
@@ -349,7 +349,7 @@ def _finish(
     resumed: set[str],
 ) -> EmbedResult:
     """The result on every process; rank 0 writes the manifest, after every shard is on disk."""
-    from bert_cluster.evaluation.report import environment
+    from bert_cluster.reports import environment
 
     seconds = max((part[0] for part in parts), default=0.0)
     documents = sum(part[1] for part in parts)

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+from bert_cluster.errors import UserError, one_line, positive_int
+from bert_cluster.evaluation.data import load_task_texts
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
@@ -35,10 +36,10 @@ __all__ = [
     "TuneInterrupted",
     "TuneResult",
     "UserError",
-    "convert_checkpoint",
     "default_run",
     "evaluate",
     "get_tasks",
+    "load_task_texts",
     "load_tasks",
     "run",
     "tune",
@@ -68,7 +69,7 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     """
     import yaml
 
-    from bert_cluster.evaluation.modeling import default_model_path, resolve_model
+    from bert_cluster.checkpoints import default_model_path, resolve_model
 
     path = Path(path) if path is not None else config_root() / "eval" / "default.yaml"
     if not path.is_file():
@@ -90,37 +91,14 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     return raw
 
 
-def attention_config(
-    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
-    defaults: Mapping[str, Any],
-    preset: Mapping[str, Any] = EVALUATION_SETTINGS,
-) -> ClusteredAttentionConfig:
-    """A config object as given; a mapping (or None) over ``preset`` (the evaluator's) and ``defaults``.
-
-    Raises:
-        UserError: not a config or mapping, or a setting that is unknown or out of range.
-    """
-    if isinstance(attention, ClusteredAttentionConfig):
-        return attention
-    if attention is not None and not isinstance(attention, Mapping):
-        raise UserError(
-            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
-        )
-    settings = {**preset, **defaults, **(attention or {})}
-    try:
-        return ClusteredAttentionConfig.from_dict(settings)
-    except (TypeError, ValueError) as error:
-        raise UserError(str(error)) from None
-
-
 def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> None:
     """``max_length`` against a local checkpoint's positions, from its config.json (no model load).
 
     A kind that scores a model derived from the checkpoint (the long task's position proxy) says how
     many positions that one takes (an optional ``positions(task, checkpoint_positions)`` member).
     """
+    from bert_cluster.checkpoints import max_positions
     from bert_cluster.evaluation.kinds import get_kind
-    from bert_cluster.evaluation.modeling import max_positions
 
     config_file = Path(model).expanduser() / "config.json"
     if max_length is None or not config_file.is_file():
@@ -183,10 +161,11 @@ def evaluate(
             raise: the task is recorded as failed in the results.
         RunInterrupted: Ctrl-C; ``.results`` holds what was measured (written to ``output`` first).
     """
+    from bert_cluster.checkpoints import attention_config, check_model_path, resolve_model
     from bert_cluster.evaluation import report, runner
     from bert_cluster.evaluation.data import data_dirs
-    from bert_cluster.evaluation.modeling import check_model_path, resolve_model
-    from bert_cluster.evaluation.parallel import Workers
+    from bert_cluster.parallel import Workers
+    from bert_cluster.reports import check_output
 
     defaults: dict[str, Any] = {}
     if model is None:
@@ -206,7 +185,7 @@ def evaluate(
         if value is not None:
             positive_int(name, value)
     task_configs = tuple(get_tasks(tasks if isinstance(tasks, str) else list(tasks)))
-    base = attention_config(attention, defaults.get("attention", {}))
+    base = attention_config(attention, defaults.get("attention", {}), EVALUATION_SETTINGS)
     modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
     device = runner.check_device(device)
     plan = runner.RunPlan(
@@ -231,7 +210,7 @@ def evaluate(
     for task in task_configs:
         _check_positions(check_model_path(plan.model_for(task)), max_length, task)
     if output is not None:
-        report.check_output(output, overwrite)
+        check_output(output, overwrite)
     workers = Workers(device)
     main = workers.is_main and output is not None
     partial = (lambda so_far: report.write(so_far, output)) if main else None
@@ -248,38 +227,3 @@ def evaluate(
 
 #: The name the style guide's CLI calls (``evaluation.run``).
 run = evaluate
-
-
-def convert_checkpoint(
-    model: str | Path, output: str | Path, config: ClusteredAttentionConfig, overwrite: bool = False
-) -> Path:
-    """Load ``model`` with the head its config names, patch it with ``config`` and save it to ``output``.
-
-    The saved config.json carries the clustered-attention settings; ``import bert_cluster`` before
-    ``from_pretrained`` re-applies them. ``output`` is checked before anything is loaded.
-    """
-    import transformers
-
-    import bert_cluster
-    from bert_cluster.evaluation.modeling import check_model_path, quiet
-    from bert_cluster.evaluation.report import check_output
-
-    source = check_model_path(model)
-    output = check_output(output, overwrite)
-    try:
-        with quiet():
-            hf_config = transformers.AutoConfig.from_pretrained(source)
-            architecture = (hf_config.architectures or ["AutoModel"])[0]
-            model_class = getattr(transformers, architecture, transformers.AutoModel)
-            loaded = model_class.from_pretrained(source)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
-    try:
-        bert_cluster.convert(loaded, config=config)
-    except (TypeError, ValueError) as error:
-        raise UserError(f"cannot convert {source}: {error}") from None
-    output.mkdir(parents=True, exist_ok=True)
-    loaded.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    return output

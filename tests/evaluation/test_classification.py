@@ -3,7 +3,7 @@ from __future__ import annotations
 import helpers
 import pytest
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 from bert_cluster.evaluation.kinds import ScoreSettings
 from bert_cluster.evaluation.kinds.classification import CLASSIFICATION, label_mapping
 from bert_cluster.evaluation.tasks import get_tasks

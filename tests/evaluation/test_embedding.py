@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import bert_cluster
-from bert_cluster.evaluation.data import PACKAGE_DATA, load_rows
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.datafiles import PACKAGE_DATA
+from bert_cluster.errors import UserError
+from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.kinds import KINDS, ScoreSettings, get_kind
 from bert_cluster.evaluation.kinds import embedding as E
 from bert_cluster.evaluation.tasks import get_tasks, load_tasks
