@@ -3,6 +3,9 @@
 ``package:NAME`` / folder / hub id resolution, a checkpoint with the head a task needs, a bare encoder,
 a ``SentenceTransformer``; the attention settings a model is converted with (``attention_config``) and
 a converted checkpoint saved to a folder (``convert_checkpoint``); padding a batch of tokenized features.
+
+A checkpoint saved converted loads converted: the hook ``bert_cluster/__init__`` installs (the package
+is always imported before this module) re-applies its setting when transformers loads it.
 """
 
 from __future__ import annotations
@@ -88,8 +91,6 @@ def load_with_head(
     """
     from transformers import AutoTokenizer
 
-    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
-
     source = check_model_path(model)
     try:
         with quiet():
@@ -144,8 +145,6 @@ def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
         UserError: the path does not exist or the model cannot be loaded.
     """
     from sentence_transformers import SentenceTransformer
-
-    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
 
     path = check_model_path(resolve_model(str(model)))
     try:
@@ -255,7 +254,7 @@ def convert_checkpoint(
     """
     import transformers
 
-    import bert_cluster  # the public convert, and the transformers hook for the saved setting
+    from bert_cluster import hf
     from bert_cluster.reports import check_output
 
     source = check_model_path(model)
@@ -270,7 +269,7 @@ def convert_checkpoint(
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UserError(f"cannot load model {source}: {one_line(error)}") from None
     try:
-        bert_cluster.convert(loaded, config=config)
+        hf.convert(loaded, config=config)
     except (TypeError, ValueError) as error:
         raise UserError(f"cannot convert {source}: {error}") from None
     output.mkdir(parents=True, exist_ok=True)

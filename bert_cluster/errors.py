@@ -15,10 +15,10 @@ def one_line(error: BaseException) -> str:
 
 def positive_int(name: str, value: object) -> int:
     """``value`` if it is a positive int, else a ``UserError`` naming ``name`` (config.py's check)."""
-    from bert_cluster.config import _check_int
+    from bert_cluster.config import check_int
 
     try:
-        _check_int(name, value, 1, 2**63 - 1)
+        check_int(name, value, 1, 2**63 - 1)
     except (TypeError, ValueError) as error:
         raise UserError(str(error)) from None
     return value  # type: ignore[return-value]

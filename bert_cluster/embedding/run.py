@@ -220,9 +220,9 @@ def embed(
         raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
     encoder.model.max_seq_length = max_length
     if config is not None:
-        import bert_cluster
+        from bert_cluster import hf
 
-        bert_cluster.convert(encoder.model, config=config)
+        hf.convert(encoder.model, config=config)
     texts = [document.text for document in corpus.documents]
     counts = count_tokens(
         encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import bert_cluster
+from bert_cluster import hf
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, TaskKind, get_kind
@@ -184,7 +184,7 @@ class TaskSession:
             backend = str(getattr(getattr(target, "config", None), "_attn_implementation", None) or "eager")
         else:
             backend = attention_backend(config, self.settings.device)
-            bert_cluster.convert(target, config=config)
+            hf.convert(target, config=config)
         try:
             began = time.perf_counter()
             scores = self.kind.score(
@@ -193,7 +193,7 @@ class TaskSession:
             elapsed = time.perf_counter() - began
         finally:
             if config is not None:
-                bert_cluster.revert(target)
+                hf.revert(target)
         timing = workers.combined_timing()
         if timing.items == 0:  # a kind that runs its own loop: timed as a whole, tokens unknown
             timing = Timing(seconds=max(workers.gather([elapsed])), tokens=0)
