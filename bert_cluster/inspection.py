@@ -265,25 +265,15 @@ def cluster_steps(
     scaling: float,
     layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The partition and top-k keys of rows that are all clustered, as ``attention._clustered`` makes them.
+    """The partition and top-k keys of rows that are all clustered: ``attention.partition``'s.
 
     Returns assignments ``(R, H, N)``, cluster sizes ``(R, H, C)`` and top-k indices ``(R, H, C, k)`` for
     ``config.mode``, with the row settings ``clusters`` and ``topk`` (``config.row_settings``).
     ``tests/test_inspect.py`` checks that refining with them reproduces ``clustered_attention``.
     """
-    planes, offsets = attention.hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
-    hashes = backend.hash_queries(query, planes, offsets)
-    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
-    if config.mode == "i-clustered+":
-        assignments, centroids, counts = backend.lloyd_refine(
-            query, assignments, clusters, attention.plus_lloyd_rounds(clusters)
-        )
-    else:
-        centroids, counts = backend.group_queries(query, assignments, clusters)
-    _, indices, _, _ = backend.centroid_attention(
-        centroids, key, value, valid, 0 if config.mode == "clustered" else topk, scaling
-    )
-    return assignments, counts, indices
+    settings = attention.step_arguments(config, clusters, topk, scaling, layer, query)
+    steps = attention.partition(backend, query, key, value, valid, *settings)
+    return steps.assignments, steps.counts, steps.topk_indices
 
 
 class _Totals:

@@ -20,6 +20,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_version",
         "environment",
         "config",
+        "steps",
         "reference",
         "_loader",
         "_cuda_sources",
