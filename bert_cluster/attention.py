@@ -160,15 +160,16 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
-    # The config by identity (a model's layers share one object; hashing its fields costs more), checked
-    # below together with the mask, so that a reused id never returns another object's plan.
-    cache_key = (None if valid is None else (id(valid), version), facts, id(config))
+    # The config by value (its hash is computed once per object): equal configs share a plan, such as the
+    # new config object per call that torch.compile's op builds. The mask by identity, checked below so
+    # that a reused id never returns another tensor's plan.
+    cache_key = (None if valid is None else (id(valid), version), facts, config)
     cached = _PLANS.get(cache_key)
-    if cached is not None and cached[1] is config and (cached[0] is None or cached[0]() is valid):
-        return cached[2]
+    if cached is not None and (cached[0] is None or cached[0]() is valid):
+        return cached[1]
     plan = _make_plan(query, key, value, valid, config, scaling)
     with _PLANS_LOCK:
-        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), config, plan)
+        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), plan)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     return plan

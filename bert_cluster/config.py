@@ -135,6 +135,18 @@ class ClusteredAttentionConfig:
             # Frozen: normalise lists to a sorted tuple without duplicates.
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: attention's plan cache looks the config up on every call."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields without the cached hash (string hashes differ between processes)."""
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     @classmethod
     def for_convert(cls, **changes: Any) -> ClusteredAttentionConfig:
         """``convert``'s defaults (``min_length="auto"``, see ``CONVERT_SETTINGS``) with ``changes``.

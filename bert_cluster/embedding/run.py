@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.config import CONVERT_SETTINGS, ClusteredAttentionConfig
+from bert_cluster import config as presets
+from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.embedding import store
 from bert_cluster.embedding.documents import Corpus, Problem, read_documents
 from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
@@ -64,7 +65,7 @@ def _attention_config(
     """A config as given, or ``convert``'s preset with the settings of a mapping."""
     from bert_cluster.checkpoints import attention_config
 
-    return attention_config(attention, {}, preset=CONVERT_SETTINGS)
+    return attention_config(attention, {}, preset=presets.CONVERT_SETTINGS)
 
 
 @dataclasses.dataclass

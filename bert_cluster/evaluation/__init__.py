@@ -16,8 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bert_cluster import config as presets
 from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
-from bert_cluster.errors import UserError, one_line, positive_int
+from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
 from bert_cluster.evaluation.data import load_task_texts
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
@@ -115,6 +116,49 @@ def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> No
         raise UserError(f"--max-length {max_length} is more than model {model} takes ({positions} positions)")
 
 
+def _swept(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
+    base: ClusteredAttentionConfig,
+    clusters: int | str | Sequence[int] | None,
+    mode: str | Sequence[str] | None,
+    seeds: int | Sequence[int] | None,
+) -> tuple[Any, Any, Any]:
+    """The swept C, modes and seeds: the arguments, else what ``attention`` sets, else the preset's.
+
+    ``attention`` sets a value when a mapping names it, or when a config object's value differs from the
+    preset's (``ClusteredAttentionConfig.for_evaluation()``); ``base`` is that config, validated.
+
+    Raises:
+        UserError: ``attention`` sets one of them and the argument says otherwise (one would be lost).
+    """
+    from bert_cluster.evaluation import runner
+
+    preset = ClusteredAttentionConfig.for_evaluation()
+    names = ("clusters", "mode", "seed")
+    if isinstance(attention, ClusteredAttentionConfig):
+        named = {name for name in names if getattr(attention, name) != getattr(preset, name)}
+    else:
+        named = {name for name in names if name in (attention or {})}
+    given = {
+        "clusters": None if clusters is None else parse_clusters(clusters),
+        "mode": None if mode is None else ((mode,) if isinstance(mode, str) else tuple(dict.fromkeys(mode))),
+        "seed": None if seeds is None else runner.parse_seeds(seeds),
+    }
+    arguments = {"clusters": "clusters", "mode": "mode", "seed": "seeds"}
+    for name in sorted(named):
+        if given[name] is not None and given[name] != (getattr(base, name),):
+            shown = ",".join(str(value) for value in given[name])
+            raise UserError(
+                f"attention= sets {name}={getattr(base, name)!r} and {arguments[name]}= says {shown}: "
+                f"give {name} in one place"
+            )
+    if clusters is None:
+        clusters = base.clusters
+    if seeds is None:
+        seeds = [base.seed]
+    return clusters, mode, seeds
+
+
 def evaluate(
     model: str | Path | None = None,
     tasks: str | Sequence[str] | None = None,
@@ -139,12 +183,16 @@ def evaluate(
             name (one checkpoint per task). None: the embedded default run (its YAML fills every
             argument left as None).
         tasks: task names (see ``bert-cluster ls``), a list or one comma-separated string.
-        clusters: cluster counts C, e.g. ``[10, 25]`` or ``"10,25"`` (default 25).
+        clusters: cluster counts C, e.g. ``[10, 25]`` or ``"10,25"`` (default: ``attention``'s C, else
+            the evaluator's preset's, 25).
         mode: one mode or several (each is run at every C); default: the attention config's.
-        seeds: N (seeds 0..N-1, default 1) or explicit seeds; each seeds the hash planes.
+        seeds: N (seeds 0..N-1) or explicit seeds; each seeds the hash planes. Default: the seed of
+            ``attention``, else the preset's (0).
         attention: the other settings (topk, bits, iterations, min_length, layers, backend): a
             ``ClusteredAttentionConfig`` used as it is, or a mapping of the settings to change from the
             evaluator's defaults (``convert``'s, except ``min_length=0``: every row is approximated).
+            A C, mode or seed set here and contradicted by ``clusters``, ``mode`` or ``seeds`` is a
+            ``UserError`` (never silently replaced).
         data_dir: folder(s) holding the tasks' files (searched one level down too); None: packaged
             files, then the hub.
         max_length: truncation length; None: each task's default.
@@ -185,14 +233,15 @@ def evaluate(
         if value is not None:
             positive_int(name, value)
     task_configs = tuple(get_tasks(tasks if isinstance(tasks, str) else list(tasks)))
-    base = attention_config(attention, defaults.get("attention", {}), EVALUATION_SETTINGS)
+    base = attention_config(attention, defaults.get("attention", {}), presets.EVALUATION_SETTINGS)
+    clusters, mode, seeds = _swept(attention, base, clusters, mode, seeds)
     modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
     device = runner.check_device(device)
     plan = runner.RunPlan(
         model=resolve_model(model),
         tasks=task_configs,
-        clusters=runner.parse_clusters(clusters if clusters is not None else 25),
-        seeds=runner.parse_seeds(seeds if seeds is not None else 1),
+        clusters=parse_clusters(clusters),
+        seeds=runner.parse_seeds(seeds),
         attention=base,
         modes=tuple(dict.fromkeys(modes)),
         data_dirs=tuple(data_dirs(data_dir)) if data_dir is not None else (),

@@ -327,27 +327,6 @@ def run_plan(
     return snapshot(True)
 
 
-def parse_clusters(value: int | str | Sequence[int | str]) -> tuple[int, ...]:
-    """Cluster counts from ``25``, ``"10,25,50"`` or ``[10, 25]``: positive ints, duplicates dropped."""
-    parts = [value] if isinstance(value, (int, str)) else list(value)
-    items = [piece.strip() if isinstance(piece, str) else piece for part in parts for piece in _split(part)]
-    counts = []
-    for item in items:
-        digits = isinstance(item, str) and item.isdigit()
-        if isinstance(item, bool) or not (digits or isinstance(item, int)) or int(item) < 1:
-            raise UserError(
-                f"malformed cluster list {value!r}: give positive ints separated by commas, e.g. 10,25,50"
-            )
-        counts.append(int(item))
-    if not counts:
-        raise UserError("the cluster list is empty: give positive ints separated by commas, e.g. 10,25,50")
-    return tuple(dict.fromkeys(counts))
-
-
-def _split(part: Any) -> list[Any]:
-    return part.split(",") if isinstance(part, str) else [part]
-
-
 def parse_seeds(value: int | Sequence[int]) -> tuple[int, ...]:
     """``N`` means seeds 0..N-1; a sequence is taken as the seeds themselves."""
     if isinstance(value, Sequence) and not isinstance(value, str):

@@ -267,7 +267,7 @@ def uses_topk(mode: str) -> bool:
 def _numbers(
     name: str, value: int | str | Sequence[int | str] | None, default: Sequence[int]
 ) -> tuple[int, ...]:
-    from bert_cluster.evaluation.runner import parse_clusters
+    from bert_cluster.errors import parse_clusters
 
     if value is None:
         return tuple(default)
@@ -473,8 +473,8 @@ def tune(
     Raises:
         UserError: a mistake in the arguments, found before the model is scored.
     """
+    from bert_cluster import config as presets
     from bert_cluster.checkpoints import attention_config, check_model_path, resolve_model
-    from bert_cluster.config import EVALUATION_SETTINGS
     from bert_cluster.evaluation import runner
     from bert_cluster.evaluation.data import data_dirs
     from bert_cluster.evaluation.tasks import get_tasks
@@ -519,7 +519,14 @@ def tune(
     for name, value in (("limit", limit), ("batch_size", batch_size), ("max_length", max_length)):
         if value is not None:
             positive_int(name, value)
-    base = attention_config(attention, {}, EVALUATION_SETTINGS)
+    named = set(attention) if isinstance(attention, Mapping) else set()
+    searched = sorted({"clusters", "topk", "mode", "seed"} & named)
+    if searched:
+        raise UserError(
+            f"attention= sets {', '.join(searched)}, which tune searches (it would replace them): give "
+            "them as tune's clusters=, topk=, modes= and seeds="
+        )
+    base = attention_config(attention, {}, presets.EVALUATION_SETTINGS)
     if fixed_layers is not None:
         base = base.replace(layers=fixed_layers)
     try:
