@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from bert_cluster import environment, steps
+from bert_cluster import environment, reference, steps
 
 #: The steps every backend has (``steps.STEPS`` but the fused op, which only its compilers have).
 STEPS = tuple(step.name for step in steps.STEPS if not step.fused)
@@ -186,8 +186,13 @@ def _install_steps(backend: type[Backend]) -> None:
             implementation: Callable | None = _kernel_step(step.name)
         elif step.fused:
             implementation = None
-        else:
-            implementation = staticmethod(step.reference_function())
+        else:  # the steps every backend has are functions of bert_cluster.reference
+            module, _, function = step.reference.partition(".")
+            if module != "reference":
+                raise ValueError(
+                    f"steps.py: {step.name} is on every backend, so its reference is in reference.py"
+                )
+            implementation = staticmethod(getattr(reference, function))
         setattr(backend, step.name, implementation)
 
 

@@ -38,8 +38,14 @@ class Reporter(Protocol):
     def configuration(self, label: str) -> None:
         """A configuration of the current task begins."""
 
-    def advance(self, done: int, total: int) -> None:
-        """``done`` of ``total`` items of the current configuration are scored (this process's share)."""
+    def advance(
+        self, done: int, total: int, tokens: int | None = None, tokens_total: int | None = None
+    ) -> None:
+        """``done`` of ``total`` items of the current configuration are scored (this process's share).
+
+        ``tokens`` of ``tokens_total``: their tokens, what the time left is weighted by (absent from a
+        kind that runs its own loop). ``tokens == 0`` starts a model pass: its clock starts there.
+        """
 
     def configuration_done(self, run: RunResult) -> None:
         """The current configuration is scored."""

@@ -114,7 +114,7 @@ def _kind_embeddings(folder: Path, texts: list[str], batch_size: int = 2) -> tor
     task = get_tasks("stsb-embedding")[0]
     loaded = E.STS_EMBEDDING.load_model(folder, task, "cpu")
     vectors = E.STS_EMBEDDING._embed(
-        loaded, task, ScoreSettings(batch_size=batch_size), texts, lambda d, t: None
+        loaded, task, ScoreSettings(batch_size=batch_size), texts, lambda *progress: None
     )
     return torch.stack([vectors[text] for text in texts])
 

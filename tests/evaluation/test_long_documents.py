@@ -248,7 +248,7 @@ def _hand_made_score(vectors, articles, metrics=None, **settings):
         task,
         Examples(items=articles, source="hand-made", count=len(articles.questions)),
         ScoreSettings(**settings),
-        lambda done, total: progress.append((done, total)),
+        lambda done, total, *tokens: progress.append((done, total)),
     )
     return scores, encoder, progress
 

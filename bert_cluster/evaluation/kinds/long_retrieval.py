@@ -282,7 +282,7 @@ class LongRetrievalKind(_EmbeddingKind):
             task,
             per_document,
             articles.documents,
-            lambda done, total: advance(done, total + questions),
+            lambda done, total, *tokens: advance(done, total + questions, *tokens),
         )
         documents_time = timing.seconds - began
         vectors.update(
@@ -291,7 +291,7 @@ class LongRetrievalKind(_EmbeddingKind):
                 task,
                 settings,
                 articles.questions,
-                lambda done, total: advance(documents + done, documents + total),
+                lambda done, total, *tokens: advance(documents + done, documents + total, *tokens),
             )
         )
         encoder = loaded.model
