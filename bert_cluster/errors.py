@@ -36,7 +36,8 @@ def parse_clusters(value: int | str | Sequence[int | str]) -> tuple[int, ...]:
         digits = isinstance(item, str) and item.isdigit()
         if isinstance(item, bool) or not (digits or isinstance(item, int)) or int(item) < 1:
             raise UserError(
-                f"malformed cluster list {value!r}: give positive ints separated by commas, e.g. 10,25,50"
+                f"malformed cluster list {value!r}: clusters must be positive ints separated by commas, "
+                "e.g. 10,25,50"
             )
         counts.append(int(item))
     if not counts:

@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-from bert_cluster import attention
+from bert_cluster import attention, checkpoints, hf, reports
 from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.errors import UserError, one_line
+from bert_cluster.reports import atomic_write, check_output, markdown_table, metadata_markdown
 
 #: The temporary attention implementation name used while capturing (no "flash", no "/": see hf.py).
 CAPTURE_NAME = "bert_cluster_inspect"
@@ -235,8 +237,6 @@ class Inspection:
             fontsize=10,
         )
         figure.tight_layout()
-        from bert_cluster.reports import atomic_write
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=130, format="png"))
@@ -391,8 +391,6 @@ _ACTIVE: list[_Recorder] = []
 
 def _capture_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Record the inputs, then run exact attention (SDPA) so the model's activations stay exact."""
-    from bert_cluster import hf
-
     recorder = _ACTIVE[-1]
     batch, heads, length, head_dim = query.shape
     window = kwargs.get("sliding_window")
@@ -419,8 +417,6 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
 def _register_capture() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
-    from bert_cluster import hf
 
     AttentionInterface.register(CAPTURE_NAME, _capture_forward)
     AttentionMaskInterface.register(CAPTURE_NAME, hf.key_padding_mask)
@@ -490,8 +486,6 @@ def inspect_model(
     Returns:
         An ``Inspection``: per head relative error, top-k mass and cluster sizes.
     """
-    from bert_cluster import hf
-
     hf.check_model(model)
     if config is None:
         stored = getattr(model.config, hf.SETTINGS_KEY, None)
@@ -561,12 +555,9 @@ def inspect_checkpoint(
     Raises:
         UserError: the model cannot be loaded, or ``output`` cannot be written.
     """
-    from bert_cluster.checkpoints import load_encoder
-    from bert_cluster.reports import check_output
-
     if output is not None:
         check_output(output, overwrite=True)
-    loaded, tokenizer = load_encoder(model)
+    loaded, tokenizer = checkpoints.load_encoder(model)
     report = inspect_model(loaded, inputs, tokenizer, config, max_length=max_length)
     if output is not None:
         run = {"max_length": max_length, **(settings or {})}
@@ -580,8 +571,6 @@ def load_text_file(path: str | Path, limit: int = 16) -> list[str]:
     Raises:
         UserError: the file is missing, unreadable or has no non-empty line.
     """
-    from bert_cluster.errors import UserError, one_line
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"input file {path} does not exist or is not a file")
@@ -603,8 +592,6 @@ def markdown(
     environment: Mapping[str, Any] | None = None,
 ) -> str:
     """inspect.md: the suggested layers, the per-layer and per-head tables, the settings and environment."""
-    from bert_cluster.reports import markdown_table, metadata_markdown
-
     lines = [f"# bert-cluster inspect: {model}" if model else "# bert-cluster inspect", ""]
     lines += [f"{report.advice(max_error)}.", ""]
     if report.skipped_layers:
@@ -635,8 +622,6 @@ def write(
     Through the one report writer (``bert_cluster.reports.write_report``), as evaluate's and
     tune's reports are; ``settings`` adds to the recorded settings (the inputs, ``max_length``).
     """
-    from bert_cluster import reports
-
     run = {"model": model, "max_error": max_error, **(settings or {}), "config": report.config.to_dict()}
     environment = reports.environment(device)
     document = {**report.summary(max_error), "model": model, "settings": run, "environment": environment}

@@ -93,7 +93,7 @@ def test_a_malformed_cluster_count_is_one_line_and_exit_2_on_every_command(comma
     result = runner.invoke(app, [*args, "--clusters", "abc"])
     assert result.exit_code == 2, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "Usage" not in result.output
-    assert result.stderr.startswith("error: malformed cluster list 'abc': give positive ints separated by")
+    assert result.stderr.startswith("error: malformed cluster list 'abc': ")
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,24 @@ from types import SimpleNamespace
 from typing import Any
 
 from bert_cluster import config as presets
+from bert_cluster.checkpoints import (
+    attention_config,
+    check_model_path,
+    default_model_path,
+    max_positions,
+    resolve_model,
+)
 from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
-from bert_cluster.evaluation.data import load_task_texts
+from bert_cluster.evaluation import report, runner
+from bert_cluster.evaluation.data import data_dirs, load_task_texts
+from bert_cluster.evaluation.kinds import get_kind
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
 from bert_cluster.evaluation.tuner import Candidate, TuneInterrupted, TuneResult, tune
+from bert_cluster.parallel import Workers
+from bert_cluster.reports import check_output
 
 __all__ = [
     "EVALUATION_DEFAULTS",
@@ -70,8 +81,6 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     """
     import yaml
 
-    from bert_cluster.checkpoints import default_model_path, resolve_model
-
     path = Path(path) if path is not None else config_root() / "eval" / "default.yaml"
     if not path.is_file():
         raise UserError(f"no model given and the embedded default {path} is missing; name a MODEL and --task")
@@ -98,9 +107,6 @@ def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> No
     A kind that scores a model derived from the checkpoint (the long task's position proxy) says how
     many positions that one takes (an optional ``positions(task, checkpoint_positions)`` member).
     """
-    from bert_cluster.checkpoints import max_positions
-    from bert_cluster.evaluation.kinds import get_kind
-
     config_file = Path(model).expanduser() / "config.json"
     if max_length is None or not config_file.is_file():
         return
@@ -131,8 +137,6 @@ def _swept(
     Raises:
         UserError: ``attention`` sets one of them and the argument says otherwise (one would be lost).
     """
-    from bert_cluster.evaluation import runner
-
     preset = ClusteredAttentionConfig.for_evaluation()
     names = ("clusters", "mode", "seed")
     if isinstance(attention, ClusteredAttentionConfig):
@@ -209,12 +213,6 @@ def evaluate(
             raise: the task is recorded as failed in the results.
         RunInterrupted: Ctrl-C; ``.results`` holds what was measured (written to ``output`` first).
     """
-    from bert_cluster.checkpoints import attention_config, check_model_path, resolve_model
-    from bert_cluster.evaluation import report, runner
-    from bert_cluster.evaluation.data import data_dirs
-    from bert_cluster.parallel import Workers
-    from bert_cluster.reports import check_output
-
     defaults: dict[str, Any] = {}
     if model is None:
         defaults = default_run()

@@ -30,10 +30,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bert_cluster import reports
+from bert_cluster import config as presets
+from bert_cluster import hf, reports
+from bert_cluster.attention import clustered_attention
+from bert_cluster.checkpoints import attention_config, check_model_path, convert_checkpoint, resolve_model
 from bert_cluster.config import MODES, ClusteredAttentionConfig
-from bert_cluster.errors import UserError, one_line, positive_int
+from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
+from bert_cluster.evaluation import runner
+from bert_cluster.evaluation.data import data_dirs
 from bert_cluster.evaluation.report import RunResult
+from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.parallel import Workers
 from bert_cluster.reports import ReportFiles, atomic_write, markdown_table, metadata_markdown, write_report
 
 #: The default grid: cluster counts C and exact keys k tried (the product's C = 25, k = 32 included).
@@ -248,8 +255,6 @@ def uses_topk(mode: str) -> bool:
     """Whether ``mode``'s output depends on k, probed on a small random input (no list of modes here)."""
     import torch
 
-    from bert_cluster.attention import clustered_attention
-
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, 1, 24, 8, generator=generator) for _ in range(3))
     outputs = [
@@ -267,7 +272,6 @@ def uses_topk(mode: str) -> bool:
 def _numbers(
     name: str, value: int | str | Sequence[int | str] | None, default: Sequence[int]
 ) -> tuple[int, ...]:
-    from bert_cluster.errors import parse_clusters
 
     if value is None:
         return tuple(default)
@@ -282,8 +286,6 @@ def _numbers(
 
 def _layer_numbers(target: Any) -> list[int] | None:
     """The model's attention layer numbers, or None when its layers share modules (cannot be selected)."""
-    from bert_cluster import hf
-
     models = hf.sentence_transformer_models(target) or [target]
     numbers: set[int] = set()
     for model in models:
@@ -473,13 +475,6 @@ def tune(
     Raises:
         UserError: a mistake in the arguments, found before the model is scored.
     """
-    from bert_cluster import config as presets
-    from bert_cluster.checkpoints import attention_config, check_model_path, resolve_model
-    from bert_cluster.evaluation import runner
-    from bert_cluster.evaluation.data import data_dirs
-    from bert_cluster.evaluation.tasks import get_tasks
-    from bert_cluster.parallel import Workers
-
     began, started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     budget = _check_budget(budget)
     if not isinstance(task, str) or "," in task or not task.strip():
@@ -651,8 +646,6 @@ def tune(
         if output is not None:
             write(result, output)
         if save_model is not None and result.config is not None:
-            from bert_cluster.checkpoints import convert_checkpoint
-
             convert_checkpoint(model_path, save_model, result.config, overwrite=overwrite)
     return result
 
