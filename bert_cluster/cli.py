@@ -24,6 +24,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+# Evaluation and embedding (datasets, sentence-transformers) and the kernels are imported inside the
+# commands that run them: a command loads only what it uses (`--help` none of them).
 from bert_cluster import __version__
 from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 from bert_cluster.inspection import DEFAULT_MAX_ERROR
