@@ -168,15 +168,16 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
-    # The config by identity (a model's layers share one object; hashing its fields costs more), checked
-    # below together with the mask, so that a reused id never returns another object's plan.
-    cache_key = (None if valid is None else (id(valid), version), facts, id(config))
+    # The config by value (its hash is computed once per object): equal configs share a plan, such as the
+    # new config object per call that torch.compile's op builds. The mask by identity, checked below so
+    # that a reused id never returns another tensor's plan.
+    cache_key = (None if valid is None else (id(valid), version), facts, config)
     cached = _PLANS.get(cache_key)
-    if cached is not None and cached[1] is config and (cached[0] is None or cached[0]() is valid):
-        return cached[2]
+    if cached is not None and (cached[0] is None or cached[0]() is valid):
+        return cached[1]
     plan = _make_plan(query, key, value, valid, config, scaling)
     with _PLANS_LOCK:
-        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), config, plan)
+        _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), plan)
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
     return plan
@@ -396,28 +397,117 @@ def _clustered(backend, query, key, value, valid, config, clusters, topk, scalin
     """The paper's steps on rows that are all longer than ``clusters``: float32 output.
 
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
-    result as the steps below one by one.
+    result as the steps one by one (``composed_heads``).
     """
-    planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
+    planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     fused = getattr(backend, "clustered_heads", None)
     if fused is not None:
-        rounds = plus_lloyd_rounds(clusters) if config.mode == "i-clustered+" else 0
-        settings = (clusters, topk, config.iterations, config.mode, rounds, scaling)
         return fused(query, key, value, valid, planes, offsets, *settings)
-    hashes = backend.hash_queries(query, planes, offsets)
-    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
-    if config.mode == "i-clustered+":
-        return _clustered_plus(backend, query, key, value, valid, assignments, clusters, topk, scaling)
-    centroids, _ = backend.group_queries(query, assignments, clusters)
-    refine = config.mode == "i-clustered"
-    centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
-        centroids, key, value, valid, topk if refine else 0, scaling
+    return _composed(backend, query, key, value, valid, planes, offsets, *settings)
+
+
+def step_arguments(
+    config: ClusteredAttentionConfig,
+    clusters: int,
+    topk: int,
+    scaling: float,
+    layer: int,
+    query: torch.Tensor,
+) -> tuple:
+    """``(planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling)``: the steps' settings.
+
+    The arguments after the tensors of ``clustered_heads`` / ``partition`` for rows of ``query``'s head
+    dim and device, with the row settings ``clusters`` and ``topk`` (``config.row_settings``).
+    """
+    planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
+    rounds = plus_lloyd_rounds(clusters) if config.mode == "i-clustered+" else 0
+    return planes, offsets, clusters, topk, config.iterations, config.mode, rounds, scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """What the steps before the last one give: the clusters, their attention and their top-k keys.
+
+    ``assignments`` ``(R, H, N)``, ``centroids`` ``(R, H, C, Dk)``, ``counts`` ``(R, H, C)``, then
+    ``centroid_attention``'s four outputs (``topk_indices`` ``(R, H, C, k)``, k = 0 in mode clustered).
+    """
+
+    assignments: torch.Tensor
+    centroids: torch.Tensor
+    counts: torch.Tensor
+    centroid_values: torch.Tensor
+    topk_indices: torch.Tensor
+    topk_mass: torch.Tensor
+    topk_values: torch.Tensor
+
+
+def partition(
+    backend: Any,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    planes: torch.Tensor,
+    offsets: torch.Tensor,
+    clusters: int,
+    topk: int,
+    iterations: int,
+    mode: str,
+    lloyd_rounds: int,
+    scaling: float,
+) -> Partition:
+    """The steps of ``mode`` up to the centroids' attention, on ``backend`` (what inspection measures)."""
+    hashes = backend.hash_queries(queries, planes, offsets)
+    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, iterations, planes.shape[0])
+    if mode == "i-clustered+":
+        assignments, centroids, counts = backend.lloyd_refine(queries, assignments, clusters, lloyd_rounds)
+    else:
+        centroids, counts = backend.group_queries(queries, assignments, clusters)
+    attended = backend.centroid_attention(
+        centroids, keys, values, valid, 0 if mode == "clustered" else topk, scaling
     )
-    if not refine:
-        return backend.broadcast_clusters(centroid_values, assignments)
+    return Partition(assignments, centroids, counts, *attended)
+
+
+def _composed(backend, queries, keys, values, valid, planes, offsets, *settings) -> torch.Tensor:
+    """The steps one by one on ``backend``, as the ``clustered_heads`` op runs them fused."""
+    clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
+    p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
+    if mode == "clustered":
+        return backend.broadcast_clusters(p.centroid_values, p.assignments)
+    if mode == "i-clustered+":
+        return backend.refine_with_query_mass(
+            queries, keys, values, valid, p.assignments, p.centroids,
+            p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values, scaling,
+        )  # fmt: skip
     return backend.topk_refine(
-        query, key, value, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
-    )
+        queries, keys, values, p.assignments, p.centroid_values, p.topk_indices, p.topk_mass,
+        p.topk_values, scaling,
+    )  # fmt: skip
+
+
+def composed_heads(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    planes: torch.Tensor,
+    offsets: torch.Tensor,
+    clusters: int,
+    topk: int,
+    iterations: int,
+    mode: str,
+    lloyd_rounds: int,
+    scaling: float,
+) -> torch.Tensor:
+    """The reference of the fused ``clustered_heads`` op: its steps one by one in ``bert_cluster.reference``.
+
+    Same arguments as the op; float32 ``(R, H, N, Dv)``.
+    """
+    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
+
+    settings = (clusters, topk, iterations, mode, lloyd_rounds, scaling)
+    return _composed(dispatch.ReferenceBackend(), queries, keys, values, valid, planes, offsets, *settings)
 
 
 # i-clustered+ (issue 13): i-clustered on a partition refined in the queries' own space, with
@@ -435,25 +525,3 @@ PLUS_MAX_LLOYD_ROUNDS = 3
 def plus_lloyd_rounds(clusters: int) -> int:
     """Lloyd rounds of mode "i-clustered+" at ``clusters`` clusters (see ``PLUS_LLOYD_WORK``)."""
     return min(PLUS_MAX_LLOYD_ROUNDS, -(-PLUS_LLOYD_WORK // max(int(clusters), 1)))
-
-
-def _clustered_plus(backend, query, key, value, valid, assignments, clusters, topk, scaling) -> torch.Tensor:
-    """i-clustered+: Lloyd rounds on the Hamming partition, then top-k refinement with per-query mass."""
-    rounds = plus_lloyd_rounds(clusters)
-    assignments, centroids, _ = backend.lloyd_refine(query, assignments, clusters, rounds)
-    centroid_values, topk_indices, topk_mass, topk_values = backend.centroid_attention(
-        centroids, key, value, valid, topk, scaling
-    )
-    return backend.refine_with_query_mass(
-        query,
-        key,
-        value,
-        valid,
-        assignments,
-        centroids,
-        centroid_values,
-        topk_indices,
-        topk_mass,
-        topk_values,
-        scaling,
-    )

@@ -2,7 +2,7 @@
 
 Each command parses its options, builds the objects the API takes (a ``ClusteredAttentionConfig``, or
 the settings to change in it), calls the API and renders the result with rich (the reporters and
-tables are in ``bert_cluster.evaluation.render``): tables on stdout, progress and errors on stderr. A
+tables are in ``bert_cluster.render``): tables on stdout, progress and errors on stderr. A
 user mistake becomes one line on stderr and exit code 2, without a traceback; Ctrl-C during a run says
 in one line where the partial results are (exit 130).
 ``python -m bert_cluster`` is the same command (so ``accelerate launch -m bert_cluster evaluate`` works).
@@ -11,7 +11,6 @@ in one line where the partial results are (exit 130).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import functools
 import inspect
@@ -25,6 +24,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+# Evaluation and embedding (datasets, sentence-transformers) and the kernels are imported inside the
+# commands that run them: a command loads only what it uses (`--help` none of them).
 from bert_cluster import __version__
 from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 from bert_cluster.inspection import DEFAULT_MAX_ERROR
@@ -45,7 +46,9 @@ stderr = Console(stderr=True)
 #: The choices, as enums so that --help lists them (taken from config.py: a new mode appears by itself).
 Mode = enum.Enum("Mode", {name: name for name in MODES}, type=str)
 Backend = enum.Enum("Backend", {name: name for name in BACKENDS}, type=str)
-_DEFAULTS = ClusteredAttentionConfig()
+#: The presets, for the help texts only: each command reads its preset when it runs (convert and embed
+#: ``for_convert()``; evaluate, tune and inspect ``for_evaluation()``).
+_DEFAULTS = ClusteredAttentionConfig.for_evaluation()
 
 
 def _int_or_word(text: str) -> int | str:
@@ -135,7 +138,29 @@ def attention_options(command: Callable[..., None] | None = None, *, exclude: tu
     return wrapper
 
 
-# Options shared by several commands, declared once.
+# Options shared by several commands, declared once. A command that takes one C, mode and seed gets the
+# same options as one that sweeps them, and refuses several in one line (``_one_config``); an option
+# left out is None, and the command reads the value from its preset.
+ClustersOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--clusters",
+        "-c",
+        metavar="C[,C...]",
+        help=f"Cluster count C (default {_DEFAULTS.clusters}); evaluate and tune take several: 10,25,50.",
+    ),
+]
+ModeOpt = Annotated[
+    list[Mode] | None,
+    typer.Option(
+        "--mode", help=f"Attention mode (default {_DEFAULTS.mode}); evaluate and tune take it repeated."
+    ),
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", help=f"Seed of the hash planes (default {_DEFAULTS.seed}).")
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Batch size.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for machines instead of tables.")]
 OverwriteOpt = Annotated[
     bool,
@@ -151,7 +176,7 @@ QuietOpt = Annotated[
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn a user mistake into one line on stderr and exit code 2; Ctrl-C into one line and exit 130."""
-    from bert_cluster.evaluation.errors import UserError, one_line
+    from bert_cluster.errors import UserError, one_line
     from bert_cluster.evaluation.runner import RunInterrupted
 
     try:
@@ -201,13 +226,8 @@ def evaluate(
     task: Annotated[
         str | None, typer.Option("--task", "-t", help="Tasks, comma-separated (see `ls`).")
     ] = None,
-    clusters: Annotated[
-        str | None, typer.Option("--clusters", "-c", help="Cluster counts C: 10,25,50.")
-    ] = None,
-    mode: Annotated[
-        list[Mode] | None,
-        typer.Option("--mode", help=f"Attention mode; repeat to compare modes (default {_DEFAULTS.mode})."),
-    ] = None,
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
     seeds: Annotated[
         int | None, typer.Option("--seeds", help="Number of seeds (0..N-1) per C and mode.")
     ] = None,
@@ -220,8 +240,8 @@ def evaluate(
     max_length: Annotated[
         int | None, typer.Option("--max-length", help="Truncation length (tokens).")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Batch size.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    batch_size: BatchSizeOpt = None,
+    device: DeviceOpt = "cpu",
     limit: Annotated[
         int | None,
         typer.Option(
@@ -239,8 +259,8 @@ def evaluate(
 ) -> None:
     """Score MODEL unmodified and with clustered attention in each configuration, on each task."""
     from bert_cluster import evaluation
-    from bert_cluster.evaluation.parallel import is_main_process
-    from bert_cluster.evaluation.render import progress_reporter, results_table
+    from bert_cluster.parallel import is_main_process
+    from bert_cluster.render import progress_reporter, results_table
 
     quiet = quiet or not is_main_process()  # launched processes: only the first one speaks
     reporter = None if quiet or as_json else progress_reporter(stderr)
@@ -293,30 +313,51 @@ def evaluate(
 def convert(
     model: Annotated[str, typer.Argument(help="Hub id or local checkpoint folder.")],
     output: Annotated[Path, typer.Argument(help="Folder to save the patched checkpoint to.")],
-    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
-    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
+    seed: SeedOpt = None,
     overwrite: OverwriteOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
     """Save a checkpoint patched with clustered attention (``import bert_cluster`` re-applies it on load)."""
-    from bert_cluster import evaluation
+    from bert_cluster.checkpoints import convert_checkpoint
 
     with user_errors():
-        preset = ClusteredAttentionConfig.for_convert().to_dict()  # convert's defaults (min_length auto)
-        config = _config({**preset, **(attention or {})}, clusters, mode, seed)
-        saved = evaluation.convert_checkpoint(model, output, config, overwrite=overwrite)
+        config = _one_config(ClusteredAttentionConfig.for_convert(), attention, clusters, mode, seed)
+        saved = convert_checkpoint(model, output, config, overwrite=overwrite)
     stdout.print(
         f"saved {saved} ({config.mode}, C={config.clusters}, topk={config.topk}, seed={config.seed})",
         highlight=False,
     )
 
 
-def _config(attention: dict[str, Any], clusters: int, mode: Mode, seed: int) -> ClusteredAttentionConfig:
-    """The config a command that takes one C, mode and seed builds from them and the shared options."""
-    fields = {field.name for field in dataclasses.fields(ClusteredAttentionConfig)}
-    settings = {**attention, "clusters": clusters, "mode": mode.value, "seed": seed}
-    return ClusteredAttentionConfig.from_dict({k: v for k, v in settings.items() if k in fields})
+def _one_config(
+    preset: ClusteredAttentionConfig,
+    attention: dict[str, Any] | None,
+    clusters: str | None,
+    mode: list[Mode] | None,
+    seed: int | None,
+) -> ClusteredAttentionConfig:
+    """The config of a command that takes one C, mode and seed: ``preset`` with the options given.
+
+    Raises:
+        UserError: a malformed --clusters, several cluster counts or modes, or a setting out of range.
+    """
+    from bert_cluster.errors import UserError, parse_clusters
+
+    settings = dict(attention or {})
+    if clusters is not None:
+        counts = parse_clusters(clusters)
+        if len(counts) > 1:
+            raise UserError(f"--clusters: this command takes one cluster count C, got {clusters}")
+        settings["clusters"] = counts[0]
+    if mode:
+        if len(mode) > 1:
+            raise UserError(f"--mode: this command takes one mode, got {', '.join(m.value for m in mode)}")
+        settings["mode"] = mode[0].value
+    if seed is not None:
+        settings["seed"] = seed
+    return preset.replace(**settings)
 
 
 @app.command()
@@ -348,9 +389,9 @@ def embed(
     exact: Annotated[
         bool, typer.Option("--exact", help="The unmodified model (no clustered attention).")
     ] = False,
-    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
-    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
+    seed: SeedOpt = None,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
     max_length: Annotated[
         int | None, typer.Option("--max-length", help="Truncation (tokens; default: the model's positions).")
@@ -359,7 +400,7 @@ def embed(
         int, typer.Option("--max-tokens-per-batch", help="Padded tokens (rows x longest) per model pass.")
     ] = 16384,
     shard_size: Annotated[int, typer.Option("--shard-size", help="Documents per shard.")] = 10000,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    device: DeviceOpt = "cpu",
     overwrite: Annotated[
         bool,
         typer.Option(
@@ -374,13 +415,13 @@ def embed(
     """Embed every document of INPUT into parquet shards; a stopped run continues on the same command."""
     from bert_cluster import embedding
     from bert_cluster.embedding.progress import ProgressBar
-    from bert_cluster.evaluation.parallel import is_main_process
+    from bert_cluster.parallel import is_main_process
 
     main_process = is_main_process()
     quiet = quiet or not main_process
     bar = ProgressBar(stderr) if not quiet else None
     with user_errors():
-        settings = {**(attention or {}), "clusters": clusters, "mode": mode.value, "seed": seed}
+        config = _one_config(ClusteredAttentionConfig.for_convert(), attention, clusters, mode, seed)
         try:
             with bar or contextlib.nullcontext():
                 result = embedding.embed(
@@ -392,7 +433,7 @@ def embed(
                     json_field=json_field,
                     split=split,
                     exact=exact,
-                    attention=settings,
+                    attention=config,
                     dtype=dtype,
                     max_length=max_length,
                     max_tokens_per_batch=max_tokens_per_batch,
@@ -458,15 +499,11 @@ def tune(
         float,
         typer.Option("--budget", help="Largest score drop allowed, in points of every judged metric."),
     ] = 0.5,
-    clusters: Annotated[
-        str | None, typer.Option("--clusters", "-c", help="Cluster counts C to try (default 10,25,50,100).")
-    ] = None,
+    clusters: ClustersOpt = None,
     topk: Annotated[
         str | None, typer.Option("--topk", help="Exact keys k to try (default 16,32,64).")
     ] = None,
-    mode: Annotated[
-        list[Mode] | None, typer.Option("--mode", help="Modes to try; repeatable (default: every mode).")
-    ] = None,
+    mode: ModeOpt = None,
     layers: Annotated[
         str,
         typer.Option(
@@ -513,8 +550,8 @@ def tune(
     max_length: Annotated[
         int | None, typer.Option("--max-length", help="Truncation length (tokens).")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Batch size.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    batch_size: BatchSizeOpt = None,
+    device: DeviceOpt = "cpu",
     output: Annotated[
         Path | None,
         typer.Option(
@@ -535,12 +572,13 @@ def tune(
     Cheapest: the lowest modeled attention work (--cost attention, the default: per query (C + k) / n,
     averaged over layers) or the highest measured speedup (--cost speed). The search assumes more
     clusters, more keys and fewer patched layers never score worse: over C it stops at the first C
-    that fails, going down.
+    that fails, going down. The grid: --clusters (default 10,25,50,100), --topk (default 16,32,64) and
+    --mode (default every mode).
     """
     from bert_cluster import evaluation
-    from bert_cluster.evaluation.errors import UserError
-    from bert_cluster.evaluation.parallel import is_main_process
-    from bert_cluster.evaluation.render import CandidateLines, progress_reporter, tune_table
+    from bert_cluster.errors import UserError
+    from bert_cluster.parallel import is_main_process
+    from bert_cluster.render import CandidateLines, progress_reporter, tune_table
 
     quiet = quiet or not is_main_process()
     reporter = None if quiet or as_json else CandidateLines(progress_reporter(stderr), stderr)
@@ -631,7 +669,7 @@ def kernels_build(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show compiler output.")] = False,
 ) -> None:
     """Compile the C++ (and optionally CUDA) kernels for the installed torch."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
 
     with user_errors():
         try:
@@ -674,7 +712,7 @@ def validate(
     ] = None,
 ) -> None:
     """Check task YAML files: each must load into a TaskConfig its kind accepts (fields, options, metrics)."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
     from bert_cluster.evaluation.kinds import get_kind
     from bert_cluster.evaluation.tasks import load_catalog, load_task_file
 
@@ -719,9 +757,9 @@ def inspect_command(
         Path | None, typer.Option("--data-dir", help="Folder with the task's files (with --task).")
     ] = None,
     limit: Annotated[int, typer.Option("--limit", help="Inputs taken from --file or --task.")] = 16,
-    clusters: Annotated[int, typer.Option("--clusters", "-c", help="Cluster count C.")] = _DEFAULTS.clusters,
-    mode: Annotated[Mode, typer.Option("--mode", help="Attention mode.")] = Mode(_DEFAULTS.mode),
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the hash planes.")] = _DEFAULTS.seed,
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
+    seed: SeedOpt = None,
     max_length: Annotated[int, typer.Option("--max-length", help="Truncation length (tokens).")] = 512,
     max_error: Annotated[
         float, typer.Option("--max-error", help="Per-layer error budget for the suggested layers=.")
@@ -736,7 +774,7 @@ def inspect_command(
     attention: dict[str, Any] | None = None,
 ) -> None:
     """Per layer and head: relative error against exact attention, top-k mass, cluster sizes."""
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
 
     with user_errors():
         sources = [name for name, given in (("--text", text), ("--file", file), ("--task", task)) if given]
@@ -751,14 +789,16 @@ def inspect_command(
             raise UserError(f"--max-error must be positive, got {max_error}")
         from bert_cluster import inspection
 
-        config = _config(attention or {}, clusters, mode, seed)
+        config = _one_config(ClusteredAttentionConfig.for_evaluation(), attention, clusters, mode, seed)
         inputs: Any
         if text:
             inputs, given = list(text), "--text"
         elif file is not None:
             inputs, given = inspection.load_text_file(file, limit), str(file)
         else:
-            inputs, given = inspection.load_task_texts(task, data_dir, limit), f"task {task}"
+            from bert_cluster.evaluation import load_task_texts  # datasets, pandas: only for --task
+
+            inputs, given = load_task_texts(task, data_dir, limit), f"task {task}"
         report = inspection.inspect_checkpoint(
             model,
             inputs,
@@ -776,7 +816,7 @@ def inspect_command(
     if as_json:
         print(json.dumps(report.summary(max_error)))
     else:
-        from bert_cluster.evaluation.render import inspection_table
+        from bert_cluster.render import inspection_table
 
         stdout.print(inspection_table(report, per_head))
         stdout.print(report.advice(max_error), highlight=False)

@@ -45,7 +45,8 @@ def check_setting_names(names: Iterable[str]) -> None:
         raise TypeError(f"unknown clustered attention setting(s) {unknown}; allowed: {', '.join(allowed)}")
 
 
-def _check_int(name: str, value: Any, low: int, high: int, also: str = "") -> None:
+def check_int(name: str, value: Any, low: int, high: int, also: str = "") -> None:
+    """Refuse ``value`` unless it is an int in ``low..high`` (the one message for every count setting)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int{also}, got {type(value).__name__} {value!r}")
     if low <= value <= high:
@@ -105,15 +106,15 @@ class ClusteredAttentionConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_int("clusters", self.clusters, 1, MAX_COUNT)
-        _check_int("topk", self.topk, 1, MAX_COUNT)
-        _check_int("bits", self.bits, 1, MAX_BITS)
-        _check_int("iterations", self.iterations, 1, MAX_ITERATIONS)
+        check_int("clusters", self.clusters, 1, MAX_COUNT)
+        check_int("topk", self.topk, 1, MAX_COUNT)
+        check_int("bits", self.bits, 1, MAX_BITS)
+        check_int("iterations", self.iterations, 1, MAX_ITERATIONS)
         if self.min_length != AUTO:
             if isinstance(self.min_length, str):
                 raise ValueError(f"min_length must be an int or {AUTO!r}, got {self.min_length!r}")
-            _check_int("min_length", self.min_length, 0, MAX_COUNT, f" or {AUTO!r}")
-        _check_int("seed", self.seed, 0, 2**63 - 1)
+            check_int("min_length", self.min_length, 0, MAX_COUNT, f" or {AUTO!r}")
+        check_int("seed", self.seed, 0, 2**63 - 1)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name in ("cluster_growth", "topk_growth"):
@@ -133,6 +134,18 @@ class ClusteredAttentionConfig:
                     raise TypeError(f"layers must hold ints, got {index!r}")
             # Frozen: normalise lists to a sorted tuple without duplicates.
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: attention's plan cache looks the config up on every call."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields without the cached hash (string hashes differ between processes)."""
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
 
     @classmethod
     def for_convert(cls, **changes: Any) -> ClusteredAttentionConfig:

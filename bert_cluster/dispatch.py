@@ -13,20 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from bert_cluster import environment, reference
+from bert_cluster import environment, reference, steps
 
-STEPS = (
-    "hash_queries",
-    "hamming_kmeans",
-    "group_queries",
-    "centroid_attention",
-    "topk_refine",
-    "broadcast_clusters",
-    "exact_attention",
-    "banded_attention",
-    "lloyd_refine",
-    "refine_with_query_mass",
-)
+#: The steps every backend has (``steps.STEPS`` but the fused op, which only its compilers have).
+STEPS = tuple(step.name for step in steps.STEPS if not step.fused)
 
 
 class Backend:
@@ -70,17 +60,6 @@ class ReferenceBackend(Backend):
     name = "reference"
     SUPPORTED_DEVICES = frozenset({"cpu", "cuda", "mps", "xpu"})
 
-    hash_queries = staticmethod(reference.hash_queries)
-    hamming_kmeans = staticmethod(reference.hamming_kmeans)
-    group_queries = staticmethod(reference.group_queries)
-    centroid_attention = staticmethod(reference.centroid_attention)
-    topk_refine = staticmethod(reference.topk_refine)
-    broadcast_clusters = staticmethod(reference.broadcast_clusters)
-    exact_attention = staticmethod(reference.exact_attention)
-    banded_attention = staticmethod(reference.banded_attention)
-    lloyd_refine = staticmethod(reference.lloyd_refine)
-    refine_with_query_mass = staticmethod(reference.refine_with_query_mass)
-
 
 def _kernel_step(step: str) -> Callable:
     """A step calling the op ``bert_cluster::<step>`` (lazy import: ``import bert_cluster`` stays lean)."""
@@ -122,21 +101,6 @@ class _KernelBackend(Backend):
             return False, f"bert_cluster._C registered no {cls.DISPATCH_KEY} kernel for {', '.join(missing)}"
         return True, ""
 
-    hash_queries = _kernel_step("hash_queries")
-    hamming_kmeans = _kernel_step("hamming_kmeans")
-    group_queries = _kernel_step("group_queries")
-    centroid_attention = _kernel_step("centroid_attention")
-    topk_refine = _kernel_step("topk_refine")
-    broadcast_clusters = _kernel_step("broadcast_clusters")
-    banded_attention = _kernel_step("banded_attention")
-    # Exact attention on short rows is torch's SDPA in attention.py; no compiled op for it. Until
-    # attention.py stops asking the backend for it, the kernel backends answer with the reference.
-    exact_attention = staticmethod(reference.exact_attention)
-    # i-clustered+ (issue 13): compiled for the CPU only (ops.CPU_ONLY_OPS); the CUDA backend runs the
-    # reference's PyTorch for these two steps, on the GPU (see CudaKernelBackend).
-    lloyd_refine = _kernel_step("lloyd_refine")
-    refine_with_query_mass = _kernel_step("refine_with_query_mass")
-
 
 class CpuKernelBackend(_KernelBackend):
     """C++ kernels (``kernels/cpu``), parallel over rows, heads and clusters with ``at::parallel_for``."""
@@ -144,10 +108,6 @@ class CpuKernelBackend(_KernelBackend):
     name = "cpu"
     SUPPORTED_DEVICES = frozenset({"cpu"})
     DISPATCH_KEY = "CPU"
-
-    #: Every step of one call in one op (per (row, head), one parallel region); the other backends have
-    #: no such op and attention._clustered composes their steps.
-    clustered_heads = _kernel_step("clustered_heads")
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -179,10 +139,6 @@ class CudaKernelBackend(_KernelBackend):
         if not torch.cuda.is_available():
             return False, "no CUDA device visible to torch"
         return True, ""
-
-    # No CUDA kernel yet for the i-clustered+ steps: the reference's tensor ops, on the same device.
-    lloyd_refine = staticmethod(reference.lloyd_refine)
-    refine_with_query_mass = staticmethod(reference.refine_with_query_mass)
 
     _first_use_done: ClassVar[bool] = False
 
@@ -217,6 +173,31 @@ class CudaKernelBackend(_KernelBackend):
         if any(d > cls.MAX_HEAD_DIM for d in dims):
             reasons.append(f"head dims {sorted(set(dims))} above {cls.MAX_HEAD_DIM}, the CUDA kernels' limit")
         return reasons
+
+
+def _install_steps(backend: type[Backend]) -> None:
+    """Give ``backend`` its steps from the table (``steps.STEPS``), the one list of them.
+
+    The compiled op where its kernels implement the step, else the reference function (on the same
+    device); a fused step only where it is compiled (None elsewhere: ``attention`` composes the steps).
+    """
+    for step in steps.STEPS:
+        if backend.name in step.compiled:
+            implementation: Callable | None = _kernel_step(step.name)
+        elif step.fused:
+            implementation = None
+        else:  # the steps every backend has are functions of bert_cluster.reference
+            module, _, function = step.reference.partition(".")
+            if module != "reference":
+                raise ValueError(
+                    f"steps.py: {step.name} is on every backend, so its reference is in reference.py"
+                )
+            implementation = staticmethod(getattr(reference, function))
+        setattr(backend, step.name, implementation)
+
+
+for _backend in (ReferenceBackend, CpuKernelBackend, CudaKernelBackend):
+    _install_steps(_backend)
 
 
 #: Priority order for ``auto``: the first backend with no reasons wins.

@@ -179,9 +179,9 @@ def package_version(distribution: str) -> str | None:
 
 def bert_cluster_version() -> str:
     """``bert_cluster.__version__`` (read when asked: the package has finished importing by then)."""
-    import bert_cluster
+    from bert_cluster._version import __version__
 
-    return bert_cluster.__version__
+    return __version__
 
 
 def facts() -> dict[str, object]:

@@ -116,7 +116,7 @@ def key_padding_mask(
 # --- settings and layer indices ----------------------------------------------------------------------
 
 
-def _settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
+def settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
     """The patch settings stored on a model config, read on every call (so in-place edits take effect)."""
     stored = getattr(config, SETTINGS_KEY, None)
     if not isinstance(stored, dict):
@@ -159,13 +159,13 @@ def _parse_settings(stored: dict) -> tuple[ClusteredAttentionConfig, str]:
         raise type(error)(f"config.{SETTINGS_KEY} is invalid: {error}") from error
 
 
-def _layer_indices(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, int]]:
+def layer_indices(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, int]]:
     """Each attention module's layer index, from the model's structure: its ``layer_idx``, else its position.
 
     Keyed by ``id(module)``; the same answer for a converted model and for its reloaded checkpoint.
     """
     indices = {}
-    for position, module in enumerate(_attention_modules(model)):
+    for position, module in enumerate(attention_modules(model)):
         index = getattr(module, "layer_idx", None)
         indices[id(module)] = (module, index if isinstance(index, int) else position)
     return indices
@@ -195,7 +195,7 @@ def _index_from_running_model(module: torch.nn.Module) -> int:
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, PreTrainedModel):
-            indices = _layer_indices(owner)
+            indices = layer_indices(owner)
             if id(module) in indices:
                 with _index_lock:
                     for found, index in indices.values():
@@ -211,7 +211,7 @@ def _index_from_running_model(module: torch.nn.Module) -> int:
 # --- the attention function --------------------------------------------------------------------------
 
 
-def _valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+def valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
     """Per-row valid keys from whatever mask arrived (ours is 2-D; a user's 4-D padding mask is accepted)."""
     if attention_mask is None:
         return None
@@ -227,7 +227,7 @@ def _valid_from_mask(attention_mask: torch.Tensor | None, batch: int, length: in
     )
 
 
-def _original_attention(module, original, query, key, value, attention_mask, half_window, kwargs):
+def original_attention(module, original, query, key, value, attention_mask, half_window, kwargs):
     """Run a layer that is not patched as the unmodified model would: its implementation, its own mask."""
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
@@ -276,7 +276,7 @@ def attention_forward(
     A ``sliding_window`` keyword (flash convention: half window + 1) makes the layer a banded one.
     """
     global _warned_dropout
-    config, original = _settings_of(module.config)
+    config, original = settings_of(module.config)
     wants_weights = kwargs.get("output_attentions")
     if wants_weights is None:  # the config only when the call does not say (reading it costs microseconds)
         wants_weights = getattr(module.config, "output_attentions", False)
@@ -290,7 +290,7 @@ def attention_forward(
     layer = _layer_index(module)
     batch, heads, length, _ = query.shape
     if key.shape[-2] != length or (config.layers is not None and layer not in config.layers):
-        return _original_attention(
+        return original_attention(
             module, original, query, key, value, attention_mask, half_window,
             {**kwargs, "scaling": scaling, "dropout": dropout},
         )  # fmt: skip
@@ -300,7 +300,7 @@ def attention_forward(
     if key.shape[1] != heads:  # grouped-query attention: each key/value head serves a group of query heads
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
-    valid = _valid_from_mask(attention_mask, batch, length)
+    valid = valid_from_mask(attention_mask, batch, length)
     if half_window is not None:
         out = windowed_attention(query, key, value, valid, half_window, config, scaling=scaling)
     else:
@@ -322,7 +322,7 @@ def _routes_through_interface(cls: type) -> bool:
         return False
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules that go through the interface, in layer order (a shared module appears once)."""
     return [module for module in model.modules() if _routes_through_interface(type(module))]
 
@@ -331,7 +331,7 @@ def _family(model: Any) -> str:
     return f"{getattr(model.config, 'model_type', None)!r} ({type(model).__name__})"
 
 
-def _check_model(model: Any) -> list[torch.nn.Module]:
+def check_model(model: Any) -> list[torch.nn.Module]:
     """The attention modules to patch, or the true reason why this model cannot be patched."""
     from transformers import PreTrainedModel
 
@@ -352,7 +352,7 @@ def _check_model(model: Any) -> list[torch.nn.Module]:
             f"model family {family} is configured as a decoder (is_decoder / add_cross_attention); "
             "clustered attention replaces bidirectional self-attention only"
         )
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if not modules:
         raise ValueError(
             f"model family {family} computes attention in its own code: none of its modules looks the "
@@ -377,7 +377,7 @@ def _check_layers(model: Any, modules: list[torch.nn.Module], layers: tuple[int,
             f"model family {family} shares {len(modules)} attention module(s) across its {depth} layers, "
             "so layers cannot select among them: pass layers=None"
         )
-    known = sorted(index for _, index in _layer_indices(model).values())
+    known = sorted(index for _, index in layer_indices(model).values())
     bad = [index for index in layers if index not in known]
     if bad:
         raise ValueError(f"layer index(es) {bad} out of range: this model has layers {known[0]}..{known[-1]}")
@@ -395,7 +395,7 @@ def _own_config(model: Any) -> None:
                 setattr(module, name, memo[id(value)])
 
 
-def _sentence_transformer_models(model: Any) -> list[Any] | None:
+def sentence_transformer_models(model: Any) -> list[Any] | None:
     """The transformers models inside a sentence-transformers model (None for anything else)."""
     if not isinstance(model, torch.nn.Module):
         return None
@@ -463,12 +463,12 @@ def convert(model: Any, config: ClusteredAttentionConfig | None = None, **settin
             )
         if config.layers is not None and len(config.layers) == 0:
             raise ValueError("layers=() patches no layer: use None for all layers, or the indices to patch")
-    inner = _sentence_transformer_models(model)
+    inner = sentence_transformer_models(model)
     if inner is not None:
         for transformer in inner:
             convert(transformer, config=config)
         return model
-    modules = _check_model(model)
+    modules = check_model(model)
     _check_layers(model, modules, config.layers)
 
     register()
@@ -487,7 +487,7 @@ def convert(model: Any, config: ClusteredAttentionConfig | None = None, **settin
             "it does not let this model change its attention implementation"
         )
     model.config.attn_implementation = ATTENTION_NAME  # public: saved in config.json, read by from_pretrained
-    for module, index in _layer_indices(model).values():
+    for module, index in layer_indices(model).values():
         module._bert_cluster_layer = index
     if model.config.model_type not in TESTED_FAMILIES:
         logger.warning(
@@ -500,7 +500,7 @@ def convert(model: Any, config: ClusteredAttentionConfig | None = None, **settin
 
 def revert(model: Any) -> Any:
     """Switch a converted model back to the attention implementation it had before ``convert``."""
-    inner = _sentence_transformer_models(model)
+    inner = sentence_transformer_models(model)
     if inner is not None:
         for transformer in inner:
             revert(transformer)
@@ -513,7 +513,7 @@ def revert(model: Any) -> Any:
     delattr(model.config, SETTINGS_KEY)
     if hasattr(model.config, "attn_implementation"):
         delattr(model.config, "attn_implementation")
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         if hasattr(module, "_bert_cluster_layer"):
             del module._bert_cluster_layer
     return model

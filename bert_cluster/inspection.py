@@ -15,7 +15,7 @@ keys and values, and compares on them, per head, exact attention with clustered 
 A layer whose error stays small can be patched; ``Inspection.suggest_layers`` names the layers to pass as
 ``layers=`` for a given error budget. The same numbers back ``bert-cluster inspect`` (table, JSON and a
 heatmap PNG); ``write`` saves inspect.json / inspect.md / inspect.png through the one report writer
-(``bert_cluster.evaluation.report.write_report``). Importing this module imports neither transformers nor
+(``bert_cluster.reports.write_report``). Importing this module imports neither transformers nor
 the evaluation package. (Named ``inspection``, not ``inspect``, so that it never shadows the standard
 library's ``inspect``.)
 """
@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-from bert_cluster import attention
+from bert_cluster import attention, checkpoints, hf, reports
 from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.errors import UserError, one_line
+from bert_cluster.reports import atomic_write, check_output, markdown_table, metadata_markdown
 
 #: The temporary attention implementation name used while capturing (no "flash", no "/": see hf.py).
 CAPTURE_NAME = "bert_cluster_inspect"
@@ -235,8 +237,6 @@ class Inspection:
             fontsize=10,
         )
         figure.tight_layout()
-        from bert_cluster.evaluation.report import atomic_write
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=130, format="png"))
@@ -265,25 +265,15 @@ def cluster_steps(
     scaling: float,
     layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The partition and top-k keys of rows that are all clustered, as ``attention._clustered`` makes them.
+    """The partition and top-k keys of rows that are all clustered: ``attention.partition``'s.
 
     Returns assignments ``(R, H, N)``, cluster sizes ``(R, H, C)`` and top-k indices ``(R, H, C, k)`` for
     ``config.mode``, with the row settings ``clusters`` and ``topk`` (``config.row_settings``).
     ``tests/test_inspect.py`` checks that refining with them reproduces ``clustered_attention``.
     """
-    planes, offsets = attention.hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
-    hashes = backend.hash_queries(query, planes, offsets)
-    assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, config.iterations, config.bits)
-    if config.mode == "i-clustered+":
-        assignments, centroids, counts = backend.lloyd_refine(
-            query, assignments, clusters, attention.plus_lloyd_rounds(clusters)
-        )
-    else:
-        centroids, counts = backend.group_queries(query, assignments, clusters)
-    _, indices, _, _ = backend.centroid_attention(
-        centroids, key, value, valid, 0 if config.mode == "clustered" else topk, scaling
-    )
-    return assignments, counts, indices
+    settings = attention.step_arguments(config, clusters, topk, scaling, layer, query)
+    steps = attention.partition(backend, query, key, value, valid, *settings)
+    return steps.assignments, steps.counts, steps.topk_indices
 
 
 class _Totals:
@@ -401,8 +391,6 @@ _ACTIVE: list[_Recorder] = []
 
 def _capture_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Record the inputs, then run exact attention (SDPA) so the model's activations stay exact."""
-    from bert_cluster import hf
-
     recorder = _ACTIVE[-1]
     batch, heads, length, head_dim = query.shape
     window = kwargs.get("sliding_window")
@@ -411,7 +399,7 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
     if window is not None or key.shape[-2] != length:
         recorder.skipped.add(layer)  # a band or cross-attention layer: not clustered by convert
     else:
-        valid = hf._valid_from_mask(attention_mask, batch, length)
+        valid = hf.valid_from_mask(attention_mask, batch, length)
         if valid is None:
             valid = torch.ones(batch, length, dtype=torch.bool, device=query.device)
         k, v = key, value
@@ -420,7 +408,7 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
         scale = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
         recorder.captured.append((layer, query.detach(), k.detach(), v.detach(), valid, scale))
-    return hf._original_attention(
+    return hf.original_attention(
         module, "sdpa", query, key, value, attention_mask, half_window,
         {**kwargs, "scaling": scaling, "dropout": 0.0},
     )  # fmt: skip
@@ -429,8 +417,6 @@ def _capture_forward(module, query, key, value, attention_mask, scaling=None, dr
 def _register_capture() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
-    from bert_cluster import hf
 
     AttentionInterface.register(CAPTURE_NAME, _capture_forward)
     AttentionMaskInterface.register(CAPTURE_NAME, hf.key_padding_mask)
@@ -500,12 +486,10 @@ def inspect_model(
     Returns:
         An ``Inspection``: per head relative error, top-k mass and cluster sizes.
     """
-    from bert_cluster import hf
-
-    hf._check_model(model)
+    hf.check_model(model)
     if config is None:
         stored = getattr(model.config, hf.SETTINGS_KEY, None)
-        config = hf._settings_of(model.config)[0] if isinstance(stored, dict) else ClusteredAttentionConfig()
+        config = hf.settings_of(model.config)[0] if isinstance(stored, dict) else ClusteredAttentionConfig()
     elif not isinstance(config, ClusteredAttentionConfig):
         raise TypeError(f"config must be a ClusteredAttentionConfig, got {type(config).__name__}")
     if settings:
@@ -515,7 +499,7 @@ def inspect_model(
     encoded = _encode(tokenizer, inputs, max_length)
     device = next(model.parameters()).device
     # The layer indices convert gives (the same hash planes as the converted model).
-    layer_of = {key: index for key, (_, index) in hf._layer_indices(model).items()}
+    layer_of = {key: index for key, (_, index) in hf.layer_indices(model).items()}
     _register_capture()
     previous = model.config._attn_implementation
     totals, sequences, tokens, skipped = _Totals(), 0, 0, set()
@@ -574,36 +558,14 @@ def inspect_checkpoint(
         UserError: the model cannot be loaded, or ``output`` is not empty (without ``overwrite``) or
             cannot be written.
     """
-    from bert_cluster.evaluation.modeling import load_encoder
-    from bert_cluster.evaluation.report import check_output
-
     if output is not None:
         check_output(output, overwrite=overwrite)
-    loaded, tokenizer = load_encoder(model)
+    loaded, tokenizer = checkpoints.load_encoder(model)
     report = inspect_model(loaded, inputs, tokenizer, config, max_length=max_length)
     if output is not None:
         run = {"max_length": max_length, **(settings or {})}
         write(report, output, model=str(model), max_error=max_error, settings=run)
     return report
-
-
-def load_task_texts(
-    task: str, data_dir: str | Path | Sequence[str | Path] | None = None, limit: int = 16
-) -> list[str] | list[tuple[str, str]]:
-    """The first ``limit`` inputs of an evaluation task (its ``text_fields``), as texts or text pairs.
-
-    Imports the evaluation package (datasets, pandas): only when a task is asked for.
-    """
-    from bert_cluster.evaluation.data import load_rows
-    from bert_cluster.evaluation.tasks import get_tasks
-
-    (config,) = get_tasks(task)
-    folders = [data_dir] if isinstance(data_dir, (str, Path)) else data_dir
-    rows = load_rows(config, list(folders) if folders else None).rows[:limit]
-    fields = list(config.text_fields)
-    if len(fields) == 1:
-        return [str(row[fields[0]]) for row in rows]
-    return [(str(row[fields[0]]), str(row[fields[1]])) for row in rows]
 
 
 def load_text_file(path: str | Path, limit: int = 16) -> list[str]:
@@ -612,8 +574,6 @@ def load_text_file(path: str | Path, limit: int = 16) -> list[str]:
     Raises:
         UserError: the file is missing, unreadable or has no non-empty line.
     """
-    from bert_cluster.evaluation.errors import UserError, one_line
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"input file {path} does not exist or is not a file")
@@ -635,8 +595,6 @@ def markdown(
     environment: Mapping[str, Any] | None = None,
 ) -> str:
     """inspect.md: the suggested layers, the per-layer and per-head tables, the settings and environment."""
-    from bert_cluster.evaluation.report import markdown_table, metadata_markdown
-
     lines = [f"# bert-cluster inspect: {model}" if model else "# bert-cluster inspect", ""]
     lines += [f"{report.advice(max_error)}.", ""]
     if report.skipped_layers:
@@ -664,11 +622,9 @@ def write(
 ) -> dict[str, Path]:
     """Write inspect.json (``summary`` plus model, settings, environment), inspect.md and inspect.png.
 
-    Through the one report writer (``bert_cluster.evaluation.report.write_report``), as evaluate's and
+    Through the one report writer (``bert_cluster.reports.write_report``), as evaluate's and
     tune's reports are; ``settings`` adds to the recorded settings (the inputs, ``max_length``).
     """
-    from bert_cluster.evaluation import report as reports
-
     run = {"model": model, "max_error": max_error, **(settings or {}), "config": report.config.to_dict()}
     environment = reports.environment(device)
     document = {**report.summary(max_error), "model": model, "settings": run, "environment": environment}
@@ -690,7 +646,6 @@ __all__ = [
     "inspect_checkpoint",
     "inspect_layer",
     "inspect_model",
-    "load_task_texts",
     "load_text_file",
     "markdown",
     "write",

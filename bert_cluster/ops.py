@@ -1,7 +1,8 @@
 """The ``bert_cluster`` op schemas, their fake (meta) kernels and typed wrappers: the only C++ bridge.
 
-The schemas live here, in Python, so that they exist (and ``torch.compile`` can trace them through the
-fake kernels) whether or not ``bert_cluster._C`` was built. ``kernels/cpu/*.cpp`` and
+The schemas are defined here, in Python, from the table of steps (``bert_cluster.steps``), so that they
+exist (and ``torch.compile`` can trace them through the fake kernels) whether or not ``bert_cluster._C``
+was built. ``kernels/cpu/*.cpp`` and
 ``kernels/cuda/*.cu`` only register implementations for these names. Each op has the name, argument
 order and output shapes of the matching function in ``bert_cluster.reference``.
 
@@ -14,34 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from bert_cluster import _loader
+from bert_cluster import _loader, steps
 
 NAMESPACE = "bert_cluster"
 
-#: op name -> schema (arguments after the name). Floats are C++ doubles, ints int64.
+#: op name -> schema (arguments after the name) of the ops every kernel backend compiles (steps.py's table).
 SCHEMAS: dict[str, str] = {
-    "hash_queries": "(Tensor queries, Tensor planes, Tensor offsets) -> Tensor",
-    "hamming_kmeans": (
-        "(Tensor hashes, Tensor valid, int clusters, int iterations, int bits) -> (Tensor, Tensor)"
-    ),
-    "group_queries": "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
-    "centroid_attention": (
-        "(Tensor centroids, Tensor keys, Tensor values, Tensor valid, int topk, float scaling) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "topk_refine": (
-        "(Tensor queries, Tensor keys, Tensor values, Tensor assignments, Tensor centroid_values, "
-        "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) -> Tensor"
-    ),
-    "broadcast_clusters": "(Tensor centroid_values, Tensor assignments) -> Tensor",
-    "banded_attention": (
-        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor"
-    ),
+    step.name: step.schema for step in steps.STEPS if step.schema and step.compiled == steps.KERNEL_BACKENDS
+}
+#: op name -> schema of the ops ``_C`` implements for the CPU only.
+CPU_ONLY_SCHEMAS: dict[str, str] = {
+    step.name: step.schema for step in steps.STEPS if step.schema and step.compiled == ("cpu",)
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
-for _name, _schema in SCHEMAS.items():
-    _LIB.define(_name + _schema)
+for _step in steps.STEPS:
+    if _step.schema is not None:
+        _LIB.define(_step.name + _step.schema)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -115,13 +105,14 @@ def load_kernels() -> dict:
 
 
 def missing_kernels(dispatch_key: str) -> list[str]:
-    """The ops of ``KERNEL_OPS`` (and ``CPU_ONLY_OPS`` on the CPU) with no ``_C`` kernel for ``dispatch_key``.
+    """The ops the table compiles for ``dispatch_key``'s backend with no ``_C`` kernel registered for it.
 
     Asked on every dispatch, so the answer is kept with the loader's state (registrations happen at load).
     """
     cache = load_kernels().setdefault("missing_kernels", {})
     if dispatch_key not in cache:
-        required = KERNEL_OPS + (CPU_ONLY_OPS if dispatch_key == "CPU" else ())
+        compiled = steps.compiled_by(dispatch_key.lower())
+        required = tuple(op for op in compiled if op not in PENDING_KERNELS)
         cache[dispatch_key] = [op for op in required if not _loader.has_kernel(op, dispatch_key)]
     return list(cache[dispatch_key])
 
@@ -221,17 +212,9 @@ KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
 
 # ---------------------------------------------------------------------------------------------------
 # i-clustered+ (issue 13; w4-fidelity): Lloyd rounds on the real query vectors, and refinement with each
-# query's own top-k mass. Schemas, fakes, wrappers. Compiled for the CPU only: they are not in ``OPS`` (the
-# ops every kernel backend needs on every device); the CPU backend needs them too, the CUDA backend runs
-# the reference for them.
-
-#: op name -> schema of the ops ``_C`` implements for the CPU only.
-CPU_ONLY_SCHEMAS: dict[str, str] = {}
-
-CPU_ONLY_SCHEMAS["lloyd_refine"] = (
-    "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)"
-)
-_LIB.define("lloyd_refine" + CPU_ONLY_SCHEMAS["lloyd_refine"])
+# query's own top-k mass. Fakes and wrappers. Compiled for the CPU only: they are not in ``OPS`` (the ops
+# every kernel backend needs on every device); the CPU backend needs them too, the CUDA backend runs the
+# reference for them.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::lloyd_refine")
@@ -250,14 +233,6 @@ def lloyd_refine(
     """See ``reference.lloyd_refine``: assignments ``(R, H, N)``, centroids ``(R, H, C, Dk)``, counts."""
     _ensure_loaded()
     return _ops.lloyd_refine.default(queries, assignments, clusters, iterations)
-
-
-CPU_ONLY_SCHEMAS["refine_with_query_mass"] = (
-    "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
-    "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) "
-    "-> Tensor"
-)
-_LIB.define("refine_with_query_mass" + CPU_ONLY_SCHEMAS["refine_with_query_mass"])
 
 
 @torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass")
@@ -308,13 +283,8 @@ def refine_with_query_mass(
 
 
 # Every step of one attention call as one op (kernels/cpu/pipeline.cpp): the steps above, run per (row, head)
-# in one parallel region, with their results bit for bit. attention._clustered composes the same steps one
-# by one on the backends that lack it.
-CPU_ONLY_SCHEMAS["clustered_heads"] = (
-    "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor planes, Tensor offsets, int clusters, "
-    "int topk, int iterations, str mode, int lloyd_rounds, float scaling) -> Tensor"
-)
-_LIB.define("clustered_heads" + CPU_ONLY_SCHEMAS["clustered_heads"])
+# in one parallel region, with their results bit for bit. attention.composed_heads composes the same steps
+# one by one on the backends that lack it.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::clustered_heads")

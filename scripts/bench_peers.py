@@ -269,7 +269,7 @@ def prepare_model(name: str, work: Path) -> Path:
     import torch
     import transformers
 
-    from bert_cluster.evaluation.modeling import default_model_path
+    from bert_cluster.checkpoints import default_model_path
 
     folder = work / "models" / name
     if (folder / "modules.json").exists():

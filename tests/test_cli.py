@@ -355,7 +355,7 @@ def test_log_reporter_and_candidate_lines_print_one_plain_line_per_step():
 
     from rich.console import Console
 
-    from bert_cluster.evaluation import render
+    from bert_cluster import render
 
     out = io.StringIO()
     console = Console(file=out, width=300)
@@ -396,7 +396,8 @@ def test_the_terminal_tables_have_the_markdown_rows():
 
     from rich.console import Console
 
-    from bert_cluster.evaluation import render, report
+    from bert_cluster import render
+    from bert_cluster.evaluation import report
 
     results = fake_results()
     header, rows = report.table_rows(results)

@@ -170,9 +170,12 @@ def test_a_preset_refuses_an_unknown_setting_naming_the_allowed_ones(preset):
 
 
 def test_the_evaluator_and_the_cli_use_the_presets():
-    from bert_cluster import evaluation
+    from bert_cluster import checkpoints, evaluation
     from bert_cluster.config import CONVERT_SETTINGS, EVALUATION_SETTINGS
 
     assert evaluation.EVALUATION_DEFAULTS == dict(EVALUATION_SETTINGS) == {"min_length": 0}
     assert dict(CONVERT_SETTINGS) == {"min_length": "auto"}
-    assert evaluation.attention_config(None, {}) == ClusteredAttentionConfig.for_evaluation()
+    assert (
+        checkpoints.attention_config(None, {}, EVALUATION_SETTINGS)
+        == ClusteredAttentionConfig.for_evaluation()
+    )

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import bert_cluster
 from bert_cluster.cli import app
 from bert_cluster.embedding import plan, read_documents, read_output, store
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SQUAD = REPO / "bert_cluster" / "data" / "squad_v1_dev_retrieval.json.gz"

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bert_cluster.embedding import read_documents
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -217,7 +217,8 @@ def test_the_import_graph_walk_finds_a_circle(tmp_path):
 def test_the_package_has_no_import_circle():
     graph = import_graph(PACKAGE)
     assert "bert_cluster.environment" in graph and "bert_cluster.crossover" in graph
-    assert graph["bert_cluster.environment"] == set()  # the bottom: everyone may import it
+    # The bottom, everyone may import it: it reads only the version constant (bert_cluster/_version.py).
+    assert graph["bert_cluster.environment"] <= {"bert_cluster._version"}
     assert circles(graph) == []
 
 

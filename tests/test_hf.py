@@ -389,7 +389,7 @@ def test_convert_patches_only_the_model_converted_when_two_share_a_config():
     assert second.config._attn_implementation == "sdpa"
     assert not hasattr(config, "clustered_attention")
     assert torch.equal(run(second, ids, mask).last_hidden_state, before)
-    assert all(module.config is first.config for module in bert_cluster.hf._attention_modules(first))
+    assert all(module.config is first.config for module in bert_cluster.hf.attention_modules(first))
 
 
 # --- training, dtypes, compile -----------------------------------------------------------------------

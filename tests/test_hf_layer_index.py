@@ -105,13 +105,13 @@ def test_reloaded_families_without_layer_idx_get_their_converted_indices(family,
         reloaded = torch.compile(reloaded, backend="aot_eager")
     with torch.inference_mode():
         assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
-    modules = bert_cluster.hf._attention_modules(getattr(reloaded, "_orig_mod", reloaded))
+    modules = bert_cluster.hf.attention_modules(getattr(reloaded, "_orig_mod", reloaded))
     assert [module._bert_cluster_layer for module in modules] == [0, 1]
 
 
 def test_an_attention_module_called_outside_its_model_says_so():
     model = bert_cluster.convert(tiny_model("distilbert"), clusters=2, min_length=0)
-    module = bert_cluster.hf._attention_modules(model)[0]
+    module = bert_cluster.hf.attention_modules(model)[0]
     del module._bert_cluster_layer  # as after a reload, before the first call
     query = torch.randn(1, 4, 8, 8)
     with pytest.raises(RuntimeError, match="cannot tell which layer this DistilBertSelfAttention is"):

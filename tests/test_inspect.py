@@ -253,7 +253,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, extra, message):
 def test_task_inputs_are_the_first_rows_as_text_pairs(tiny, tmp_path):
     folder, model, tokenizer = tiny
     helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
-    pairs = inspection.load_task_texts("rte", tmp_path / "data", limit=2)
+    from bert_cluster.evaluation import load_task_texts
+
+    pairs = load_task_texts("rte", tmp_path / "data", limit=2)
     assert pairs == [(a, b) for a, b, _ in helpers.RTE_ROWS[:2]]
     args = ["inspect", str(folder), "--task", "rte", "--data-dir", str(tmp_path / "data"), "--limit", "2"]
     result = runner.invoke(app, [*args, "-c", "4", "--backend", "reference", "--json"])
@@ -291,15 +293,15 @@ def test_no_module_of_the_package_shadows_the_standard_library():
 
 
 def test_inspect_checkpoint_loads_inspects_and_writes_after_checking_the_output(tiny, tmp_path, monkeypatch):
-    from bert_cluster.evaluation import modeling
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster import checkpoints
+    from bert_cluster.errors import UserError
 
     folder, model, tokenizer = tiny
     config = ClusteredAttentionConfig(clusters=4, topk=3, backend="reference")
     afile = tmp_path / "file"
     afile.write_text("x")
     with monkeypatch.context() as patch:
-        patch.setattr(modeling, "load_encoder", lambda path: pytest.fail("loaded before the output check"))
+        patch.setattr(checkpoints, "load_encoder", lambda path: pytest.fail("loaded before the output check"))
         with pytest.raises(UserError, match="is a file"):
             inspection.inspect_checkpoint(folder, TEXTS, config, output=afile)
     report = inspection.inspect_checkpoint(folder, TEXTS, config, max_error=0.5, output=tmp_path / "out")
@@ -311,11 +313,11 @@ def test_inspect_checkpoint_loads_inspects_and_writes_after_checking_the_output(
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     with pytest.raises(UserError, match=f"cannot load model {broken}"):
-        modeling.load_encoder(broken)
+        checkpoints.load_encoder(broken)
 
 
 def test_a_text_file_gives_its_first_non_empty_lines(tmp_path):
-    from bert_cluster.evaluation.errors import UserError
+    from bert_cluster.errors import UserError
 
     path = tmp_path / "inputs.txt"
     path.write_text("  first line \n\n second\nthird\n", encoding="utf-8")

@@ -20,7 +20,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.evaluation.errors import UserError, one_line
+from bert_cluster.errors import UserError, one_line
 
 #: File endings read as tables (with or without .gz): JSONL and CSV here, the others through
 #: ``datasets.load_dataset(<builder>, data_files=...)``.
@@ -303,7 +303,7 @@ def _check_fields(columns: list[str], source: str, text_field: str | None, id_fi
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
     """``datasets.load_dataset`` quietly, with its failures as one-line ``UserError``s naming the input."""
-    from bert_cluster.evaluation.data import _load_dataset as load
+    from bert_cluster.datafiles import load_dataset as load
 
     source = kwargs.get("data_files") or (args[0] if args else "the input")
     try:
@@ -341,14 +341,14 @@ def _packaged(name: str) -> Corpus:
     import gzip
     import json
 
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+    from bert_cluster.datafiles import PACKAGE_DATA, PARAGRAPH_SEPARATOR, join_paragraphs
 
-    path = Path(__file__).resolve().parents[1] / "data" / "squad_v1_dev_retrieval.json.gz"
+    path = PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz"
     data = json.loads(gzip.decompress(path.read_bytes()))
-    articles = articles_from_paragraphs(data["paragraphs"], [])
-    collector = _Collector(f"{PACKAGE_PREFIX}{name} ({path.name}: {len(articles.titles)} articles)")
-    for number, (title, text) in enumerate(zip(articles.titles, articles.documents, strict=True), start=1):
-        collector.add(title, text, number)
+    articles = join_paragraphs(data["paragraphs"])
+    collector = _Collector(f"{PACKAGE_PREFIX}{name} ({path.name}: {len(articles)} articles)")
+    for number, (title, paragraphs) in enumerate(articles.items(), start=1):
+        collector.add(title, PARAGRAPH_SEPARATOR.join(paragraphs), number)
     return collector.corpus()
 
 

@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.config import CONVERT_SETTINGS, ClusteredAttentionConfig
+from bert_cluster import config as presets
+from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.embedding import store
 from bert_cluster.embedding.documents import Corpus, Problem, read_documents
 from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
-from bert_cluster.evaluation.errors import UserError, positive_int
+from bert_cluster.errors import UserError, positive_int
 
 DTYPES = ("float32", "bfloat16")
 #: Padded tokens per model pass (rows x longest row): 32 documents of 512 tokens.
@@ -64,9 +65,9 @@ def _attention_config(
     attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
 ) -> ClusteredAttentionConfig:
     """A config as given, or ``convert``'s preset with the settings of a mapping."""
-    from bert_cluster.evaluation import attention_config
+    from bert_cluster.checkpoints import attention_config
 
-    return attention_config(attention, {}, preset=CONVERT_SETTINGS)
+    return attention_config(attention, {}, preset=presets.CONVERT_SETTINGS)
 
 
 @dataclasses.dataclass
@@ -93,7 +94,7 @@ def _load(model: str | Path, device: str, dtype: str) -> _Encoder:
     """The SentenceTransformer of ``model`` on ``device`` in ``dtype``, and what its modules do."""
     import torch
 
-    from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
+    from bert_cluster.checkpoints import load_sentence_encoder, max_positions
 
     encoder, path = load_sentence_encoder(model, device)
     if dtype == "bfloat16":
@@ -213,7 +214,7 @@ def embed(
     if output.exists() and not output.is_dir():
         raise UserError(f"output {output} exists and is not a folder")
 
-    from bert_cluster.evaluation.parallel import Workers
+    from bert_cluster.parallel import Workers
 
     workers = Workers(device)
     with contextlib.ExitStack() as held:
@@ -236,9 +237,9 @@ def embed(
             raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
         encoder.model.max_seq_length = max_length
         if config is not None:
-            import bert_cluster
+            from bert_cluster import hf
 
-            bert_cluster.convert(encoder.model, config=config)
+            hf.convert(encoder.model, config=config)
         texts = [document.text for document in corpus.documents]
         counts = count_tokens(
             encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))
@@ -367,7 +368,7 @@ def _finish(
     ``parts``: each process's seconds, documents, tokens, checksums (name: sha256), resumed shards and
     damaged shards (name: why).
     """
-    from bert_cluster.evaluation.report import environment
+    from bert_cluster.reports import environment
 
     seconds = max((part[0] for part in parts), default=0.0)
     documents = sum(part[1] for part in parts)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 
 STATE = "state.json"
 MANIFEST = "manifest.json"

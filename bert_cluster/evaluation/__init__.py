@@ -16,12 +16,25 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bert_cluster import config as presets
+from bert_cluster.checkpoints import (
+    attention_config,
+    check_model_path,
+    default_model_path,
+    max_positions,
+    resolve_model,
+)
 from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
+from bert_cluster.evaluation import report, runner
+from bert_cluster.evaluation.data import data_dirs, load_task_texts
+from bert_cluster.evaluation.kinds import get_kind
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
 from bert_cluster.evaluation.tuner import Candidate, TuneInterrupted, TuneResult, tune
+from bert_cluster.parallel import Workers
+from bert_cluster.reports import check_output
 
 __all__ = [
     "EVALUATION_DEFAULTS",
@@ -35,10 +48,10 @@ __all__ = [
     "TuneInterrupted",
     "TuneResult",
     "UserError",
-    "convert_checkpoint",
     "default_run",
     "evaluate",
     "get_tasks",
+    "load_task_texts",
     "load_tasks",
     "run",
     "tune",
@@ -68,8 +81,6 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     """
     import yaml
 
-    from bert_cluster.evaluation.modeling import default_model_path, resolve_model
-
     path = Path(path) if path is not None else config_root() / "eval" / "default.yaml"
     if not path.is_file():
         raise UserError(f"no model given and the embedded default {path} is missing; name a MODEL and --task")
@@ -90,38 +101,12 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
     return raw
 
 
-def attention_config(
-    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
-    defaults: Mapping[str, Any],
-    preset: Mapping[str, Any] = EVALUATION_SETTINGS,
-) -> ClusteredAttentionConfig:
-    """A config object as given; a mapping (or None) over ``preset`` (the evaluator's) and ``defaults``.
-
-    Raises:
-        UserError: not a config or mapping, or a setting that is unknown or out of range.
-    """
-    if isinstance(attention, ClusteredAttentionConfig):
-        return attention
-    if attention is not None and not isinstance(attention, Mapping):
-        raise UserError(
-            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
-        )
-    settings = {**preset, **defaults, **(attention or {})}
-    try:
-        return ClusteredAttentionConfig.from_dict(settings)
-    except (TypeError, ValueError) as error:
-        raise UserError(str(error)) from None
-
-
 def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> None:
     """``max_length`` against a local checkpoint's positions, from its config.json (no model load).
 
     A kind that scores a model derived from the checkpoint (the long task's position proxy) says how
     many positions that one takes (an optional ``positions(task, checkpoint_positions)`` member).
     """
-    from bert_cluster.evaluation.kinds import get_kind
-    from bert_cluster.evaluation.modeling import max_positions
-
     config_file = Path(model).expanduser() / "config.json"
     if max_length is None or not config_file.is_file():
         return
@@ -135,6 +120,47 @@ def _check_positions(model: str, max_length: int | None, task: TaskConfig) -> No
         positions = derived(task, positions)
     if positions is not None and max_length > positions:
         raise UserError(f"--max-length {max_length} is more than model {model} takes ({positions} positions)")
+
+
+def _swept(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
+    base: ClusteredAttentionConfig,
+    clusters: int | str | Sequence[int] | None,
+    mode: str | Sequence[str] | None,
+    seeds: int | Sequence[int] | None,
+) -> tuple[Any, Any, Any]:
+    """The swept C, modes and seeds: the arguments, else what ``attention`` sets, else the preset's.
+
+    ``attention`` sets a value when a mapping names it, or when a config object's value differs from the
+    preset's (``ClusteredAttentionConfig.for_evaluation()``); ``base`` is that config, validated.
+
+    Raises:
+        UserError: ``attention`` sets one of them and the argument says otherwise (one would be lost).
+    """
+    preset = ClusteredAttentionConfig.for_evaluation()
+    names = ("clusters", "mode", "seed")
+    if isinstance(attention, ClusteredAttentionConfig):
+        named = {name for name in names if getattr(attention, name) != getattr(preset, name)}
+    else:
+        named = {name for name in names if name in (attention or {})}
+    given = {
+        "clusters": None if clusters is None else parse_clusters(clusters),
+        "mode": None if mode is None else ((mode,) if isinstance(mode, str) else tuple(dict.fromkeys(mode))),
+        "seed": None if seeds is None else runner.parse_seeds(seeds),
+    }
+    arguments = {"clusters": "clusters", "mode": "mode", "seed": "seeds"}
+    for name in sorted(named):
+        if given[name] is not None and given[name] != (getattr(base, name),):
+            shown = ",".join(str(value) for value in given[name])
+            raise UserError(
+                f"attention= sets {name}={getattr(base, name)!r} and {arguments[name]}= says {shown}: "
+                f"give {name} in one place"
+            )
+    if clusters is None:
+        clusters = base.clusters
+    if seeds is None:
+        seeds = [base.seed]
+    return clusters, mode, seeds
 
 
 def evaluate(
@@ -161,12 +187,16 @@ def evaluate(
             name (one checkpoint per task). None: the embedded default run (its YAML fills every
             argument left as None).
         tasks: task names (see ``bert-cluster ls``), a list or one comma-separated string.
-        clusters: cluster counts C, e.g. ``[10, 25]`` or ``"10,25"`` (default 25).
+        clusters: cluster counts C, e.g. ``[10, 25]`` or ``"10,25"`` (default: ``attention``'s C, else
+            the evaluator's preset's, 25).
         mode: one mode or several (each is run at every C); default: the attention config's.
-        seeds: N (seeds 0..N-1, default 1) or explicit seeds; each seeds the hash planes.
+        seeds: N (seeds 0..N-1) or explicit seeds; each seeds the hash planes. Default: the seed of
+            ``attention``, else the preset's (0).
         attention: the other settings (topk, bits, iterations, min_length, layers, backend): a
             ``ClusteredAttentionConfig`` used as it is, or a mapping of the settings to change from the
             evaluator's defaults (``convert``'s, except ``min_length=0``: every row is approximated).
+            A C, mode or seed set here and contradicted by ``clusters``, ``mode`` or ``seeds`` is a
+            ``UserError`` (never silently replaced).
         data_dir: folder(s) holding the tasks' files (searched one level down too); None: packaged
             files, then the hub.
         max_length: truncation length; None: each task's default.
@@ -183,11 +213,6 @@ def evaluate(
             raise: the task is recorded as failed in the results.
         RunInterrupted: Ctrl-C; ``.results`` holds what was measured (written to ``output`` first).
     """
-    from bert_cluster.evaluation import report, runner
-    from bert_cluster.evaluation.data import data_dirs
-    from bert_cluster.evaluation.modeling import check_model_path, resolve_model
-    from bert_cluster.evaluation.parallel import Workers
-
     defaults: dict[str, Any] = {}
     if model is None:
         defaults = default_run()
@@ -206,14 +231,15 @@ def evaluate(
         if value is not None:
             positive_int(name, value)
     task_configs = tuple(get_tasks(tasks if isinstance(tasks, str) else list(tasks)))
-    base = attention_config(attention, defaults.get("attention", {}))
+    base = attention_config(attention, defaults.get("attention", {}), presets.EVALUATION_SETTINGS)
+    clusters, mode, seeds = _swept(attention, base, clusters, mode, seeds)
     modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
     device = runner.check_device(device)
     plan = runner.RunPlan(
         model=resolve_model(model),
         tasks=task_configs,
-        clusters=runner.parse_clusters(clusters if clusters is not None else 25),
-        seeds=runner.parse_seeds(seeds if seeds is not None else 1),
+        clusters=parse_clusters(clusters),
+        seeds=runner.parse_seeds(seeds),
         attention=base,
         modes=tuple(dict.fromkeys(modes)),
         data_dirs=tuple(data_dirs(data_dir)) if data_dir is not None else (),
@@ -231,7 +257,7 @@ def evaluate(
     for task in task_configs:
         _check_positions(check_model_path(plan.model_for(task)), max_length, task)
     if output is not None:
-        report.check_output(output, overwrite)
+        check_output(output, overwrite)
     workers = Workers(device)
     main = workers.is_main and output is not None
     partial = (lambda so_far: report.write(so_far, output)) if main else None
@@ -248,41 +274,3 @@ def evaluate(
 
 #: The name the style guide's CLI calls (``evaluation.run``).
 run = evaluate
-
-
-def convert_checkpoint(
-    model: str | Path, output: str | Path, config: ClusteredAttentionConfig, overwrite: bool = False
-) -> Path:
-    """Load ``model`` with the head its config names, patch it with ``config`` and save it to ``output``.
-
-    The saved config.json carries the clustered-attention settings; ``import bert_cluster`` before
-    ``from_pretrained`` re-applies them. ``output`` is checked before anything is loaded.
-    """
-    import transformers
-
-    import bert_cluster
-    from bert_cluster.evaluation.modeling import check_model_path, quiet
-    from bert_cluster.evaluation.report import check_output
-
-    source = check_model_path(model)
-    output = check_output(output, overwrite)
-    try:
-        with quiet():
-            hf_config = transformers.AutoConfig.from_pretrained(source)
-            architecture = (hf_config.architectures or ["AutoModel"])[0]
-            model_class = getattr(transformers, architecture, transformers.AutoModel)
-            loaded = model_class.from_pretrained(source)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
-    try:
-        bert_cluster.convert(loaded, config=config)
-    except (TypeError, ValueError) as error:
-        raise UserError(f"cannot convert {source}: {error}") from None
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        loaded.save_pretrained(output)
-        tokenizer.save_pretrained(output)
-    except OSError as error:  # permissions, a full disk, a read-only file system: one line, not a traceback
-        raise UserError(f"cannot write the checkpoint to {output}: {error.strerror or error}") from None
-    return output

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from bert_cluster import environment
-from bert_cluster.evaluation.errors import UserError, one_line
-from bert_cluster.evaluation.tasks import LocalFile, TaskConfig
+from bert_cluster.datafiles import PACKAGE_DATA, load_dataset
+from bert_cluster.errors import UserError, one_line
+from bert_cluster.evaluation.tasks import LocalFile, TaskConfig, get_tasks
 
 #: Extra data folders, separated by ``os.pathsep``, searched after the ones passed explicitly.
 DATA_DIR_ENV = environment.DATA_DIR
-#: The demo's data files, shipped with the package (``scripts/make_demo_data.py`` writes them).
-PACKAGE_DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @dataclasses.dataclass
@@ -71,19 +70,6 @@ def find_local(task: TaskConfig, folders: Sequence[Path]) -> tuple[Path, LocalFi
     return None
 
 
-def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    """``datasets.load_dataset`` without its progress bars (the runner shows its own progress)."""
-    import datasets
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        return datasets.load_dataset(*args, **kwargs)
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-
-
 def _read_delimited(path: Path, spec: LocalFile) -> Any:
     """TSV/CSV as strings: quoting as the spec says (off for GLUE: its quotes are text), no NA guessing."""
     import datasets
@@ -101,7 +87,7 @@ def _read_delimited(path: Path, spec: LocalFile) -> Any:
     if not spec.header:
         options["column_names"] = names
     features = datasets.Features({name: datasets.Value("string") for name in names})
-    return _load_dataset(
+    return load_dataset(
         "csv",
         data_files=str(path),
         split="train",
@@ -141,8 +127,8 @@ def _squad_rows(articles: Any, path: Path) -> list[dict[str, Any]]:
 
 def _retrieval_rows(path: Path) -> list[dict[str, Any]]:
     """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows."""
-    paragraphs = _load_dataset("json", data_files=str(path), field="paragraphs", split="train")
-    questions = _load_dataset("json", data_files=str(path), field="questions", split="train")
+    paragraphs = load_dataset("json", data_files=str(path), field="paragraphs", split="train")
+    questions = load_dataset("json", data_files=str(path), field="questions", split="train")
     context = dict(zip(paragraphs["id"], paragraphs["context"], strict=True))
     return [
         {
@@ -180,11 +166,11 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
         if spec.format in ("tsv", "csv"):
             dataset = _read_delimited(path, spec)
         elif spec.format == "parquet":
-            dataset = _load_dataset("parquet", data_files=str(path), split="train")
+            dataset = load_dataset("parquet", data_files=str(path), split="train")
         elif spec.format in ("json", "jsonl"):
-            dataset = _load_dataset("json", data_files=str(path), split="train")
+            dataset = load_dataset("json", data_files=str(path), split="train")
         elif spec.format == "squad-json":
-            return _squad_rows(_load_dataset("json", data_files=str(path), field="data", split="train"), path)
+            return _squad_rows(load_dataset("json", data_files=str(path), field="data", split="train"), path)
         else:  # retrieval-json; tasks.py allows nothing else
             return _retrieval_rows(path)
     except UserError:
@@ -201,7 +187,7 @@ def load_hub(task: TaskConfig) -> Rows:
     """``datasets.load_dataset(path, name, split=...)`` for users who can reach the hub."""
     hub = task.data.hub
     assert hub is not None
-    dataset = _load_dataset(hub.path, hub.name, split=hub.split)
+    dataset = load_dataset(hub.path, hub.name, split=hub.split)
     name = f"/{hub.name}" if hub.name else ""
     return Rows(rows=dataset.to_list(), source=f"hub:{hub.path}{name}:{hub.split}")
 
@@ -234,3 +220,19 @@ def load_rows(task: TaskConfig, folders: Sequence[str | Path] | str | Path | Non
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")
     return rows
+
+
+def load_task_texts(
+    task: str, data_dir: str | Path | Sequence[str | Path] | None = None, limit: int = 16
+) -> list[str] | list[tuple[str, str]]:
+    """The first ``limit`` inputs of an evaluation task (its ``text_fields``), as texts or text pairs.
+
+    What ``bert-cluster inspect --task`` inspects the model on.
+    """
+    (config,) = get_tasks(task)
+    folders = [data_dir] if isinstance(data_dir, (str, Path)) else data_dir
+    rows = load_rows(config, list(folders) if folders else None).rows[:limit]
+    fields = list(config.text_fields)
+    if len(fields) == 1:
+        return [str(row[fields[0]]) for row in rows]
+    return [(str(row[fields[0]]), str(row[fields[1]])) for row in rows]

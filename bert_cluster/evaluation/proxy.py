@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
+from bert_cluster.checkpoints import max_positions
 from bert_cluster.crossover import cache_dir
-from bert_cluster.evaluation.modeling import max_positions
 
 #: Files of a checkpoint that hold weights (a proxy rewrites them; everything else is copied).
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")

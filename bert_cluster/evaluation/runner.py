@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import bert_cluster
+from bert_cluster import hf
 from bert_cluster.config import ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError, one_line, positive_int
+from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, TaskKind, get_kind
-from bert_cluster.evaluation.parallel import Timing, Workers
-from bert_cluster.evaluation.report import Results, RunResult, TaskResult, environment
+from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.tasks import TaskConfig
+from bert_cluster.parallel import Timing, Workers
+from bert_cluster.reports import environment
 
 
 class Reporter(Protocol):
@@ -37,8 +38,14 @@ class Reporter(Protocol):
     def configuration(self, label: str) -> None:
         """A configuration of the current task begins."""
 
-    def advance(self, done: int, total: int) -> None:
-        """``done`` of ``total`` items of the current configuration are scored (this process's share)."""
+    def advance(
+        self, done: int, total: int, tokens: int | None = None, tokens_total: int | None = None
+    ) -> None:
+        """``done`` of ``total`` items of the current configuration are scored (this process's share).
+
+        ``tokens`` of ``tokens_total``: their tokens, what the time left is weighted by (absent from a
+        kind that runs its own loop). ``tokens == 0`` starts a model pass: its clock starts there.
+        """
 
     def configuration_done(self, run: RunResult) -> None:
         """The current configuration is scored."""
@@ -183,7 +190,7 @@ class TaskSession:
             backend = str(getattr(getattr(target, "config", None), "_attn_implementation", None) or "eager")
         else:
             backend = attention_backend(config, self.settings.device)
-            bert_cluster.convert(target, config=config)
+            hf.convert(target, config=config)
         try:
             began = time.perf_counter()
             scores = self.kind.score(
@@ -192,7 +199,7 @@ class TaskSession:
             elapsed = time.perf_counter() - began
         finally:
             if config is not None:
-                bert_cluster.revert(target)
+                hf.revert(target)
         timing = workers.combined_timing()
         if timing.items == 0:  # a kind that runs its own loop: timed as a whole, tokens unknown
             timing = Timing(seconds=max(workers.gather([elapsed])), tokens=0)
@@ -324,27 +331,6 @@ def run_plan(
     finally:
         reporter.finish()
     return snapshot(True)
-
-
-def parse_clusters(value: int | str | Sequence[int | str]) -> tuple[int, ...]:
-    """Cluster counts from ``25``, ``"10,25,50"`` or ``[10, 25]``: positive ints, duplicates dropped."""
-    parts = [value] if isinstance(value, (int, str)) else list(value)
-    items = [piece.strip() if isinstance(piece, str) else piece for part in parts for piece in _split(part)]
-    counts = []
-    for item in items:
-        digits = isinstance(item, str) and item.isdigit()
-        if isinstance(item, bool) or not (digits or isinstance(item, int)) or int(item) < 1:
-            raise UserError(
-                f"malformed cluster list {value!r}: give positive ints separated by commas, e.g. 10,25,50"
-            )
-        counts.append(int(item))
-    if not counts:
-        raise UserError("the cluster list is empty: give positive ints separated by commas, e.g. 10,25,50")
-    return tuple(dict.fromkeys(counts))
-
-
-def _split(part: Any) -> list[Any]:
-    return part.split(",") if isinstance(part, str) else [part]
 
 
 def parse_seeds(value: int | Sequence[int]) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from bert_cluster import environment
-from bert_cluster.evaluation.errors import UserError, one_line
+from bert_cluster.errors import UserError, one_line
 
 #: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
 #: lines or a JSON list, the official SQuAD JSON, and the packaged retrieval JSON (paragraphs + questions).

@@ -30,16 +30,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bert_cluster import config as presets
+from bert_cluster import hf, reports
+from bert_cluster.attention import clustered_attention
+from bert_cluster.checkpoints import attention_config, check_model_path, convert_checkpoint, resolve_model
 from bert_cluster.config import MODES, ClusteredAttentionConfig
-from bert_cluster.evaluation.errors import UserError, one_line, positive_int
-from bert_cluster.evaluation.report import (
-    ReportFiles,
-    RunResult,
-    atomic_write,
-    markdown_table,
-    metadata_markdown,
-    write_report,
-)
+from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
+from bert_cluster.evaluation import runner
+from bert_cluster.evaluation.data import data_dirs
+from bert_cluster.evaluation.report import RunResult
+from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.parallel import Workers
+from bert_cluster.reports import ReportFiles, atomic_write, markdown_table, metadata_markdown, write_report
 
 #: The default grid: cluster counts C and exact keys k tried (the product's C = 25, k = 32 included).
 DEFAULT_CLUSTERS = (10, 25, 50, 100)
@@ -253,8 +255,6 @@ def uses_topk(mode: str) -> bool:
     """Whether ``mode``'s output depends on k, probed on a small random input (no list of modes here)."""
     import torch
 
-    from bert_cluster.attention import clustered_attention
-
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, 1, 24, 8, generator=generator) for _ in range(3))
     outputs = [
@@ -272,7 +272,6 @@ def uses_topk(mode: str) -> bool:
 def _numbers(
     name: str, value: int | str | Sequence[int | str] | None, default: Sequence[int]
 ) -> tuple[int, ...]:
-    from bert_cluster.evaluation.runner import parse_clusters
 
     if value is None:
         return tuple(default)
@@ -287,16 +286,14 @@ def _numbers(
 
 def _layer_numbers(target: Any) -> list[int] | None:
     """The model's attention layer numbers, or None when its layers share modules (cannot be selected)."""
-    from bert_cluster import hf
-
-    models = hf._sentence_transformer_models(target) or [target]
+    models = hf.sentence_transformer_models(target) or [target]
     numbers: set[int] = set()
     for model in models:
-        modules = hf._attention_modules(model)
+        modules = hf.attention_modules(model)
         depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
         if isinstance(depth, int) and len(modules) < depth:
             return None
-        numbers.update(index for _, index in hf._layer_indices(model).values())
+        numbers.update(index for _, index in hf.layer_indices(model).values())
     return sorted(numbers) or None
 
 
@@ -478,12 +475,6 @@ def tune(
     Raises:
         UserError: a mistake in the arguments, found before the model is scored.
     """
-    from bert_cluster.evaluation import attention_config, report, runner
-    from bert_cluster.evaluation.data import data_dirs
-    from bert_cluster.evaluation.modeling import check_model_path, resolve_model
-    from bert_cluster.evaluation.parallel import Workers
-    from bert_cluster.evaluation.tasks import get_tasks
-
     began, started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     budget = _check_budget(budget)
     if not isinstance(task, str) or "," in task or not task.strip():
@@ -523,7 +514,14 @@ def tune(
     for name, value in (("limit", limit), ("batch_size", batch_size), ("max_length", max_length)):
         if value is not None:
             positive_int(name, value)
-    base = attention_config(attention, {})
+    named = set(attention) if isinstance(attention, Mapping) else set()
+    searched = sorted({"clusters", "topk", "mode", "seed"} & named)
+    if searched:
+        raise UserError(
+            f"attention= sets {', '.join(searched)}, which tune searches (it would replace them): give "
+            "them as tune's clusters=, topk=, modes= and seeds="
+        )
+    base = attention_config(attention, {}, presets.EVALUATION_SETTINGS)
     if fixed_layers is not None:
         base = base.replace(layers=fixed_layers)
     try:
@@ -535,9 +533,9 @@ def tune(
     runner.attention_backend(base, device)
     model_path = check_model_path(resolve_model(str(model)).replace("{task}", task_config.name))
     if output is not None:
-        report.check_output(output, overwrite)
+        reports.check_output(output, overwrite)
     if save_model is not None:
-        report.check_output(save_model, overwrite)
+        reports.check_output(save_model, overwrite)
     folders = tuple(data_dirs(data_dir)) if data_dir is not None else ()
 
     workers = Workers(device)
@@ -636,7 +634,7 @@ def tune(
         screen_examples=screen_count,
         mean_length=length if math.isfinite(length) else None,
         settings=settings,
-        environment=report.environment(session.settings.device, workers.count),
+        environment=reports.environment(session.settings.device, workers.count),
         started=started,
         notes=notes,
     )
@@ -648,8 +646,6 @@ def tune(
         if output is not None:
             write(result, output)
         if save_model is not None and result.config is not None:
-            from bert_cluster.evaluation import convert_checkpoint
-
             convert_checkpoint(model_path, save_model, result.config, overwrite=overwrite)
     return result
 
@@ -807,7 +803,7 @@ def plot(result: TuneResult, path: Path) -> Path | None:
 def write(result: TuneResult, folder: str | Path) -> dict[str, Path]:
     """Write tune.json, tune.md, tune.png and (when one is chosen) clustered-attention.json into ``folder``.
 
-    Through ``report.write_report``: a stale chosen config of an earlier run never sits beside new results.
+    Through ``reports.write_report``: a stale chosen config of an earlier run never sits beside new results.
     """
     chosen = {} if result.config is None else {"clustered-attention.json": result.config.to_dict()}
     return write_report(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import helpers
 import pytest
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 from bert_cluster.evaluation.kinds import ScoreSettings
 from bert_cluster.evaluation.kinds.classification import CLASSIFICATION, label_mapping
 from bert_cluster.evaluation.tasks import get_tasks
@@ -12,8 +12,8 @@ RTE = get_tasks("rte")[0]
 STSB = get_tasks("stsb")[0]
 
 
-def no_progress(done, total):
-    assert 0 <= done <= total
+def no_progress(done, total, tokens=0, tokens_total=0):
+    assert 0 <= done <= total and 0 <= tokens <= tokens_total
 
 
 def test_label_mapping():

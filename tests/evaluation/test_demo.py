@@ -18,8 +18,8 @@ import torch
 
 import bert_cluster
 from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.datafiles import PACKAGE_DATA
 from bert_cluster.evaluation import default_run, load_tasks
-from bert_cluster.evaluation.data import PACKAGE_DATA
 
 PARAGRAPHS = 12  # the first 12 paragraphs of SQuAD dev (Super Bowl 50) and their questions
 PAIRS = 60  # the first 60 STS-B dev pairs

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import bert_cluster
-from bert_cluster.evaluation.data import PACKAGE_DATA, load_rows
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.datafiles import PACKAGE_DATA
+from bert_cluster.errors import UserError
+from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.kinds import KINDS, ScoreSettings, get_kind
 from bert_cluster.evaluation.kinds import embedding as E
 from bert_cluster.evaluation.tasks import get_tasks, load_tasks
@@ -113,7 +114,7 @@ def _kind_embeddings(folder: Path, texts: list[str], batch_size: int = 2) -> tor
     task = get_tasks("stsb-embedding")[0]
     loaded = E.STS_EMBEDDING.load_model(folder, task, "cpu")
     vectors = E.STS_EMBEDDING._embed(
-        loaded, task, ScoreSettings(batch_size=batch_size), texts, lambda d, t: None
+        loaded, task, ScoreSettings(batch_size=batch_size), texts, lambda *progress: None
     )
     return torch.stack([vectors[text] for text in texts])
 

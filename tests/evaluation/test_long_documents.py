@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from bert_cluster import crossover
+from bert_cluster.checkpoints import max_positions
+from bert_cluster.datafiles import PACKAGE_DATA
+from bert_cluster.errors import UserError
 from bert_cluster.evaluation import default_run, load_tasks
-from bert_cluster.evaluation.data import PACKAGE_DATA
-from bert_cluster.evaluation.errors import UserError
 from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, get_kind
 from bert_cluster.evaluation.kinds import long_retrieval as L
-from bert_cluster.evaluation.modeling import max_positions
 from bert_cluster.evaluation.proxy import long_position_proxy
 
 PACKAGED = PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz"
@@ -248,7 +248,7 @@ def _hand_made_score(vectors, articles, metrics=None, **settings):
         task,
         Examples(items=articles, source="hand-made", count=len(articles.questions)),
         ScoreSettings(**settings),
-        lambda done, total: progress.append((done, total)),
+        lambda done, total, *tokens: progress.append((done, total)),
     )
     return scores, encoder, progress
 

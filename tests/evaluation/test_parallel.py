@@ -12,7 +12,7 @@ from pathlib import Path
 import helpers
 import pytest
 
-from bert_cluster.evaluation.parallel import Workers, length_sorted_batches
+from bert_cluster.parallel import Workers, length_sorted_batches
 
 STSB_HEADER = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
 STSB_ROWS = [

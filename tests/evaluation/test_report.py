@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bert_cluster import inspection
+from bert_cluster import inspection, reports
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.evaluation import report, tuner
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
@@ -14,7 +14,7 @@ from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 
 @pytest.fixture(scope="module")
 def environment():
-    return report.environment("cpu")
+    return reports.environment("cpu")
 
 
 def results(environment) -> Results:
@@ -79,7 +79,7 @@ def test_evaluate_tune_and_inspect_write_json_markdown_and_plot_with_the_run_met
         assert {"packages", "hardware", "git", "date"} <= set(recorded), stem
         assert recorded["git"] == environment["git"], stem  # inspect records its own environment()
         assert recorded["packages"]["torch"] and recorded["packages"]["transformers"], stem
-        section = "\n".join(report.metadata_markdown(document["settings"], recorded))
+        section = "\n".join(reports.metadata_markdown(document["settings"], recorded))
         assert (folder / f"{stem}.md").read_text().endswith(section), stem
         assert (folder / plots[stem]).read_bytes()[:4] == b"\x89PNG", stem
     inspected_document = json.loads((tmp_path / "inspect" / "inspect.json").read_text())
@@ -90,14 +90,14 @@ def test_evaluate_tune_and_inspect_write_json_markdown_and_plot_with_the_run_met
 
 
 def test_a_report_without_its_metadata_is_refused(environment, tmp_path):
-    files = report.ReportFiles("x.json", "x.md")
+    files = reports.ReportFiles("x.json", "x.md")
     with pytest.raises(ValueError, match="missing environment"):
-        report.write_report(tmp_path, files, {"settings": {}}, "text")
+        reports.write_report(tmp_path, files, {"settings": {}}, "text")
     with pytest.raises(ValueError, match="missing environment.hardware, environment.git, environment.date"):
-        report.write_report(tmp_path, files, {"settings": {}, "environment": {"packages": {}}}, "text")
+        reports.write_report(tmp_path, files, {"settings": {}, "environment": {"packages": {}}}, "text")
     with pytest.raises(ValueError, match="not among this report's files"):
         document = {"settings": {}, "environment": environment}
-        report.write_report(tmp_path, files, document, "text", extra={"other.json": "{}"})
+        reports.write_report(tmp_path, files, document, "text", extra={"other.json": "{}"})
     assert list(tmp_path.iterdir()) == []
 
 

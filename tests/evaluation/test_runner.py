@@ -7,10 +7,10 @@ import helpers
 import pytest
 
 from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.errors import UserError, parse_clusters
 from bert_cluster.evaluation import Results, RunInterrupted, TaskSession, evaluate
-from bert_cluster.evaluation.errors import UserError
 from bert_cluster.evaluation.kinds import KINDS, Examples, LoadedModel
-from bert_cluster.evaluation.runner import parse_clusters, parse_seeds
+from bert_cluster.evaluation.runner import parse_seeds
 from bert_cluster.evaluation.tasks import get_tasks, parse_task
 
 

@@ -124,7 +124,7 @@ def test_tiny_qa_model_runs_through_the_kind(tiny_qa, tmp_path):
         task,
         examples,
         ScoreSettings(batch_size=2, max_length=200),
-        lambda done, total: seen.append((done, total)),
+        lambda done, total, *tokens: seen.append((done, total)),
     )
     assert set(scores) == {"exact", "f1"} and 0.0 <= scores["f1"] <= 100.0
     windows = seen[-1][1]
@@ -139,5 +139,5 @@ def test_real_squad_checkpoint_subset(shared_dir, built_models):
     task = get_tasks("squad")[0]
     examples = SQUAD.load_examples(task, shared_dir / "models" / "minilm-l6-squad" / "eval", 300)
     loaded = SQUAD.load_model(built_models / "minilm-l6-squad", task, "cpu")
-    scores = SQUAD.score(loaded, task, examples, ScoreSettings(), lambda done, total: None)
+    scores = SQUAD.score(loaded, task, examples, ScoreSettings(), lambda *progress: None)
     assert round(scores["exact"], 2) == 59.33 and round(scores["f1"], 2) == 69.42

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from bert_cluster.evaluation.errors import UserError
+from bert_cluster.errors import UserError
 from bert_cluster.evaluation.kinds import get_kind
 from bert_cluster.evaluation.tasks import (
     get_tasks,

@@ -15,9 +15,9 @@ from bert_cluster.cli import app
 from bert_cluster.config import MODES, ClusteredAttentionConfig
 from bert_cluster.evaluation import TaskSession, TuneResult, UserError, get_tasks, tune
 from bert_cluster.evaluation import tuner as tuner_module
-from bert_cluster.evaluation.parallel import Timing
 from bert_cluster.evaluation.report import RunResult
 from bert_cluster.evaluation.tuner import attention_cost, load_config, uses_topk
+from bert_cluster.parallel import Timing
 
 LAYERS = list(range(6))
 LENGTH = 1280.0  # the scripted slice's mean row length (tokens)

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from bert_cluster.evaluation.errors import UserError
-from bert_cluster.evaluation.parallel import Progress, Workers
+from bert_cluster.errors import UserError
+from bert_cluster.parallel import Progress, Workers
 
 
 @dataclasses.dataclass

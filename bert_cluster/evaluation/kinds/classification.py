@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from bert_cluster.checkpoints import load_with_head, max_positions, pad_batch
+from bert_cluster.errors import UserError
 from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.errors import UserError
 from bert_cluster.evaluation.kinds import (
     Examples,
     LoadedModel,
@@ -27,7 +28,6 @@ from bert_cluster.evaluation.kinds import (
     register_kind,
 )
 from bert_cluster.evaluation.metrics import GLUE_METRICS, glue_metric
-from bert_cluster.evaluation.modeling import load_with_head, max_positions, pad_batch
 from bert_cluster.evaluation.tasks import TaskConfig
 
 _GENERIC = re.compile(r"label_?\d+")

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from bert_cluster.checkpoints import load_sentence_encoder, max_positions
+from bert_cluster.errors import UserError, one_line
 from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.errors import UserError, one_line
 from bert_cluster.evaluation.kinds import (
     Examples,
     LoadedModel,
@@ -32,7 +33,6 @@ from bert_cluster.evaluation.kinds import (
     positive_option,
     register_kind,
 )
-from bert_cluster.evaluation.modeling import load_sentence_encoder, max_positions
 
 #: Metrics of the retrieval kind: those of sentence-transformers' InformationRetrievalEvaluator.
 RETRIEVAL_METRIC = re.compile(r"(accuracy|precision|recall|mrr|ndcg|map)@([1-9][0-9]*)")

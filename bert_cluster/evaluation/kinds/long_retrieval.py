@@ -19,8 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bert_cluster.checkpoints import resolve_model
+from bert_cluster.datafiles import PARAGRAPH_SEPARATOR, join_paragraphs
+from bert_cluster.errors import UserError, one_line
 from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.errors import UserError, one_line
 from bert_cluster.evaluation.kinds import (
     Examples,
     LoadedModel,
@@ -38,10 +40,7 @@ from bert_cluster.evaluation.kinds.embedding import (
     retrieval_scores,
     spread,
 )
-from bert_cluster.evaluation.modeling import resolve_model
 
-#: Paragraphs of one article are joined with a blank line (whitespace: it adds no token).
-PARAGRAPH_SEPARATOR = "\n\n"
 #: Task options this kind reads (see ``configs/tasks/long/squad_articles.yaml``).
 OPTIONS = ("documents", "questions", "document_batch_size", "long_position_proxy")
 
@@ -99,29 +98,14 @@ def articles_from_paragraphs(
         ValueError: a malformed or duplicated paragraph id, a gap in the numbering, or a question whose
             paragraph is unknown.
     """
-    by_title: dict[str, dict[int, str]] = {}
-    for paragraph in paragraphs:
-        title, _, number = str(paragraph["id"]).rpartition("/")
-        if not title or not number.isdigit():
-            raise ValueError(f"paragraph id {paragraph['id']!r} is not '<title>/<number>'")
-        numbered = by_title.setdefault(title, {})
-        if int(number) in numbered:
-            if numbered[int(number)] == paragraph["context"]:
-                continue  # the same paragraph again (flat rows repeat it once per question)
-            raise ValueError(f"paragraph id {paragraph['id']!r} appears twice")
-        numbered[int(number)] = paragraph["context"]
+    by_title = join_paragraphs(paragraphs)
     titles = list(by_title)
-    documents = []
-    for title in titles:
-        numbers = sorted(by_title[title])
-        if numbers != list(range(len(numbers))):
-            raise ValueError(f"article {title!r}: paragraphs must be numbered 0..n-1, got {numbers}")
-        documents.append(PARAGRAPH_SEPARATOR.join(by_title[title][n] for n in numbers))
+    documents = [PARAGRAPH_SEPARATOR.join(by_title[title]) for title in titles]
     index = {title: position for position, title in enumerate(titles)}
     texts, gold, ids = [], [], []
     for number, question in enumerate(questions):
         title, _, paragraph = str(question["paragraph"]).rpartition("/")
-        if title not in index or not paragraph.isdigit() or int(paragraph) not in by_title[title]:
+        if title not in index or not paragraph.isdigit() or int(paragraph) >= len(by_title[title]):
             raise ValueError(
                 f"question {question.get('id', '')!r}: unknown paragraph {question['paragraph']!r}"
             )
@@ -298,7 +282,7 @@ class LongRetrievalKind(_EmbeddingKind):
             task,
             per_document,
             articles.documents,
-            lambda done, total: advance(done, total + questions),
+            lambda done, total, *tokens: advance(done, total + questions, *tokens),
         )
         documents_time = timing.seconds - began
         vectors.update(
@@ -307,7 +291,7 @@ class LongRetrievalKind(_EmbeddingKind):
                 task,
                 settings,
                 articles.questions,
-                lambda done, total: advance(documents + done, documents + total),
+                lambda done, total, *tokens: advance(documents + done, documents + total, *tokens),
             )
         )
         encoder = loaded.model

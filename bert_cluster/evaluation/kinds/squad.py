@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from bert_cluster.checkpoints import load_with_head, max_positions, pad_batch
+from bert_cluster.errors import UserError, positive_int
 from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.errors import UserError, positive_int
 from bert_cluster.evaluation.kinds import (
     Examples,
     LoadedModel,
@@ -33,7 +34,6 @@ from bert_cluster.evaluation.kinds import (
     register_kind,
 )
 from bert_cluster.evaluation.metrics import SQUAD_METRICS, squad_scores
-from bert_cluster.evaluation.modeling import load_with_head, max_positions, pad_batch
 from bert_cluster.evaluation.tasks import TaskConfig
 
 _OPTION_DEFAULTS = {"postprocessor": "squad_v1", "doc_stride": 128, "n_best": 20, "max_answer_length": 30}

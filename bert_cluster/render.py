@@ -8,11 +8,13 @@ this module only lays them out. The reporters follow ``runner.Reporter``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+from bert_cluster.parallel import time_left
 
 if TYPE_CHECKING:
     from bert_cluster.evaluation.report import Results, RunResult, TaskResult
@@ -21,22 +23,19 @@ if TYPE_CHECKING:
 
 
 class RichReporter:
-    """Progress bars with an ETA on stderr (a terminal): tasks, configurations of a task, its items."""
+    """Progress bars with an ETA on stderr (a terminal): tasks, configurations of a task, its items.
+
+    The items' bar counts items and fills by tokens, so its ETA follows the work still to do (the
+    batches run longest first).
+    """
 
     def __init__(self, console: Console) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.progress = Progress(
             TextColumn("{task.description:<36}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            TextColumn("{task.fields[count]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -46,37 +45,59 @@ class RichReporter:
 
     def start(self, tasks: int) -> None:  # noqa: D102
         self.progress.start()
-        self._tasks = self.progress.add_task("tasks", total=tasks)
+        self._tasks = self.progress.add_task("tasks", total=tasks, count=f"0/{tasks}")
 
     def task(self, name: str, configurations: int) -> None:  # noqa: D102
         if self._configs is not None:
             self.progress.remove_task(self._configs)
-        self._configs = self.progress.add_task(f"{name}: configurations", total=configurations)
+        self._configs = self.progress.add_task(
+            f"{name}: configurations", total=configurations, count=f"0/{configurations}"
+        )
         self.progress.update(self._tasks, description=f"tasks ({name})")
 
     def configuration(self, label: str) -> None:  # noqa: D102
         if self._items is not None:
             self.progress.remove_task(self._items)
-        self._items = self.progress.add_task(f"  {label}", total=None)
+        self._items = self.progress.add_task(f"  {label}", total=None, count="")
 
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        self.progress.update(self._items, completed=done, total=total)
+    def advance(
+        self, done: int, total: int, tokens: int | None = None, tokens_total: int | None = None
+    ) -> None:
+        """See ``runner.Reporter.advance``."""
+        if tokens is not None and tokens_total:
+            if tokens == 0:  # a model pass starts (after its warm-up batch): so does the ETA's clock
+                self.progress.reset(self._items, total=tokens_total, count=f"{done}/{total}")
+            self.progress.update(self._items, completed=tokens, total=tokens_total, count=f"{done}/{total}")
+        else:
+            self.progress.update(self._items, completed=done, total=total, count=f"{done}/{total}")
+
+    def _step(self, bar: Any) -> None:
+        self.progress.advance(bar)
+        task = next(task for task in self.progress.tasks if task.id == bar)
+        self.progress.update(bar, count=f"{task.completed:.0f}/{task.total:.0f}")
 
     def configuration_done(self, run: RunResult) -> None:  # noqa: D102
-        self.progress.advance(self._configs)
+        self._step(self._configs)
 
     def task_done(self, result: TaskResult) -> None:  # noqa: D102
-        self.progress.advance(self._tasks)
+        self._step(self._tasks)
 
     def finish(self) -> None:  # noqa: D102
         self.progress.stop()
 
 
 class LogReporter:
-    """Plain lines on stderr (a log, where bars cannot redraw): each configuration, progress every 30 s."""
+    """Plain lines on stderr (a log, where bars cannot redraw): each configuration, progress every 30 s.
 
-    def __init__(self, console: Console, every: float = 30.0) -> None:
-        self.console, self.every = console, every
+    The ETA weighs the items by their tokens when the runner gives them (the batches run longest first,
+    so a count of items would make the rest look as slow as the first), from the start of the model pass
+    (after its warm-up batch).
+    """
+
+    def __init__(
+        self, console: Console, every: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.console, self.every, self.clock = console, every, clock
         self.name = self.label = ""
         self.began = self.last = 0.0
 
@@ -91,17 +112,23 @@ class LogReporter:
         self._line(f"[{name}] {configurations} configuration(s)")
 
     def configuration(self, label: str) -> None:  # noqa: D102
-        self.label, self.began = label, time.monotonic()
+        self.label, self.began = label, self.clock()
         self.last = self.began
 
-    def advance(self, done: int, total: int) -> None:  # noqa: D102
-        now = time.monotonic()
+    def advance(
+        self, done: int, total: int, tokens: int | None = None, tokens_total: int | None = None
+    ) -> None:
+        """See ``runner.Reporter.advance``."""
+        now = self.clock()
+        weighed = tokens is not None and bool(tokens_total)
+        starts = tokens == 0 if weighed else done == 0
+        if starts:  # a model pass starts (after its warm-up batch): so does the ETA's clock
+            self.began = now
         if done and total and now - self.last >= self.every:
             self.last = now
-            left = (now - self.began) * (total - done) / done
-            self._line(
-                f"[{self.name}] {self.label}: {done}/{total} ({100 * done / total:.0f}%), ETA {left:.0f} s"
-            )
+            left = time_left(now - self.began, *((tokens, tokens_total) if weighed else (done, total))) or 0
+            share = f"{done}/{total} ({100 * done / total:.0f}%)"
+            self._line(f"[{self.name}] {self.label}: {share}, ETA {left:.0f} s")
 
     def configuration_done(self, run: RunResult) -> None:  # noqa: D102
         scores = ", ".join(f"{key} {value:.2f}" for key, value in run.scores.items())

@@ -1,16 +1,25 @@
-"""Loading a checkpoint with the head a task needs, quietly, and padding a batch of tokenized features."""
+"""Loading models and checkpoints, the one way every feature does: resolve, check, load quietly, convert.
+
+``package:NAME`` / folder / hub id resolution, a checkpoint with the head a task needs, a bare encoder,
+a ``SentenceTransformer``; the attention settings a model is converted with (``attention_config``) and
+a converted checkpoint saved to a folder (``convert_checkpoint``); padding a batch of tokenized features.
+
+A checkpoint saved converted loads converted: the hook ``bert_cluster/__init__`` installs (the package
+is always imported before this module) re-applies its setting when transformers loads it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bert_cluster.evaluation.errors import UserError, one_line
+from bert_cluster.config import ClusteredAttentionConfig
+from bert_cluster.errors import UserError, one_line
 
 #: Families whose position ids start after the padding index (fairseq convention): fewer usable positions.
 _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text")
@@ -82,8 +91,6 @@ def load_with_head(
     """
     from transformers import AutoTokenizer
 
-    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
-
     source = check_model_path(model)
     try:
         with quiet():
@@ -138,8 +145,6 @@ def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
         UserError: the path does not exist or the model cannot be loaded.
     """
     from sentence_transformers import SentenceTransformer
-
-    import bert_cluster  # noqa: F401 - re-applies a saved clustered-attention setting on load
 
     path = check_model_path(resolve_model(str(model)))
     try:
@@ -214,3 +219,63 @@ def resolve_model(spec: str | Path) -> str:
         return str(_package_model_dir(package))
     path = Path(spec).expanduser()
     return str(path.resolve()) if path.exists() else spec
+
+
+def attention_config(
+    attention: ClusteredAttentionConfig | Mapping[str, Any] | None,
+    defaults: Mapping[str, Any],
+    preset: Mapping[str, Any],
+) -> ClusteredAttentionConfig:
+    """A config object as given; a mapping (or None) over ``preset`` (evaluate's, convert's) and ``defaults``.
+
+    Raises:
+        UserError: not a config or mapping, or a setting that is unknown or out of range.
+    """
+    if isinstance(attention, ClusteredAttentionConfig):
+        return attention
+    if attention is not None and not isinstance(attention, Mapping):
+        raise UserError(
+            f"attention must be a ClusteredAttentionConfig or a mapping, got {type(attention).__name__}"
+        )
+    settings = {**preset, **defaults, **(attention or {})}
+    try:
+        return ClusteredAttentionConfig.from_dict(settings)
+    except (TypeError, ValueError) as error:
+        raise UserError(str(error)) from None
+
+
+def convert_checkpoint(
+    model: str | Path, output: str | Path, config: ClusteredAttentionConfig, overwrite: bool = False
+) -> Path:
+    """Load ``model`` with the head its config names, patch it with ``config`` and save it to ``output``.
+
+    The saved config.json carries the clustered-attention settings; ``import bert_cluster`` before
+    ``from_pretrained`` re-applies them. ``output`` is checked before anything is loaded.
+    """
+    import transformers
+
+    from bert_cluster import hf
+    from bert_cluster.reports import check_output
+
+    source = check_model_path(model)
+    output = check_output(output, overwrite)
+    try:
+        with quiet():
+            hf_config = transformers.AutoConfig.from_pretrained(source)
+            architecture = (hf_config.architectures or ["AutoModel"])[0]
+            model_class = getattr(transformers, architecture, transformers.AutoModel)
+            loaded = model_class.from_pretrained(source)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
+    try:
+        hf.convert(loaded, config=config)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"cannot convert {source}: {error}") from None
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        loaded.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+    except OSError as error:  # permissions, a full disk, a read-only file system: one line, not a traceback
+        raise UserError(f"cannot write the checkpoint to {output}: {error.strerror or error}") from None
+    return output

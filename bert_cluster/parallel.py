@@ -15,8 +15,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-#: ``advance(done, total)``: items of this process scored so far, out of its share.
-Progress = Callable[[int, int], None]
+#: ``advance(done, total, tokens_done, tokens_total)``: items of this process scored so far, out of its
+#: share, and their tokens: a long item takes longer, so the time left is weighted by tokens
+#: (``time_left``), while the count shown is items.
+Progress = Callable[[int, int, int, int], None]
+
+
+def time_left(elapsed: float, done: float, total: float) -> float | None:
+    """Seconds left if the ``total - done`` units of work still to do go at the pace of the ``done`` ones.
+
+    None before any work is done. Give tokens, not items: the batches run longest first, so by items the
+    first (longest) ones would make the rest look as slow.
+    """
+    if done <= 0 or elapsed < 0:
+        return None
+    return elapsed * max(total - done, 0) / done
 
 
 @dataclasses.dataclass
@@ -99,14 +112,15 @@ class Workers:
 
         batches = length_sorted_batches(lengths, batch_size)[self.rank :: self.count]
         mine = sum(len(batch) for batch in batches)
+        mine_tokens = sum(lengths[index] for batch in batches for index in batch)
         synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
         if batches and not self.timing.warmed_up:
             function([items[index] for index in batches[0]])
             self.timing.warmed_up = True
         outputs: list[tuple[int, Any]] = []
-        done = 0
+        done = tokens = 0
         if advance is not None:
-            advance(0, mine)
+            advance(0, mine, 0, mine_tokens)  # after the warm-up: the clock of the time left starts here
         for batch in batches:
             synchronize()
             began = time.perf_counter()
@@ -114,13 +128,15 @@ class Workers:
             synchronize()
             self.timing.seconds += time.perf_counter() - began
             self.timing.items += len(batch)
-            self.timing.tokens += sum(lengths[index] for index in batch)
+            batch_tokens = sum(lengths[index] for index in batch)
+            self.timing.tokens += batch_tokens
             if len(results) != len(batch):
                 raise RuntimeError(f"a batch of {len(batch)} items gave {len(results)} outputs")
             outputs.extend(zip(batch, results, strict=True))
             done += len(batch)
+            tokens += batch_tokens
             if advance is not None:
-                advance(done, mine)
+                advance(done, mine, tokens, mine_tokens)
         ordered: list[Any] = [None] * len(items)
         for index, result in self.gather(outputs):
             ordered[index] = result

@@ -1,0 +1,128 @@
+"""The paper's steps, listed once: name, op schema, reference function, the backends that compile each.
+
+``ops.py`` defines the ``bert_cluster::<name>`` schemas from this table (and keeps each op's fake kernel
+and typed wrapper), ``dispatch.py`` gives every backend its steps from it (the compiled op where the
+backend's kernels implement it, the reference's function elsewhere) and the tests check it against the
+registrations in ``torch.ops``. Adding a step: a row here, the reference function, the fake kernel and
+wrapper in ``ops.py``, the kernels of the backends its row names (``kernels/README.md``).
+
+Imports nothing (the table is data): every module may read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+#: The backends with compiled kernels, in the order a row names them.
+KERNEL_BACKENDS = ("cpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step: what its op takes, what computes it without kernels, and which kernels compile it."""
+
+    name: str
+    #: The op schema after the name (floats are C++ doubles, ints int64); None: no op (torch runs it).
+    schema: str | None
+    #: The kernel backends whose kernels implement the op; the others run ``reference`` for it.
+    compiled: tuple[str, ...]
+    #: The function that defines the step, ``module.function`` in the package (the op's oracle).
+    reference: str
+    #: Every step of a call in one op: only the backends that compile it have it (the others compose
+    #: the steps one by one, ``attention.composed_heads``).
+    fused: bool = False
+    #: The registered backward of the op, once it has one (the kernels are forward only for now).
+    backward: str | None = None
+
+    def reference_function(self) -> Callable[..., Any]:
+        """The reference function itself (imports its module)."""
+        module, _, function = self.reference.rpartition(".")
+        return getattr(importlib.import_module(f"bert_cluster.{module}"), function)
+
+
+BOTH = KERNEL_BACKENDS
+CPU = ("cpu",)
+
+STEPS: tuple[Step, ...] = (
+    Step(
+        "hash_queries",
+        "(Tensor queries, Tensor planes, Tensor offsets) -> Tensor",
+        BOTH,
+        "reference.hash_queries",
+    ),
+    Step(
+        "hamming_kmeans",
+        "(Tensor hashes, Tensor valid, int clusters, int iterations, int bits) -> (Tensor, Tensor)",
+        BOTH,
+        "reference.hamming_kmeans",
+    ),
+    Step(
+        "group_queries",
+        "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
+        BOTH,
+        "reference.group_queries",
+    ),
+    Step(
+        "centroid_attention",
+        "(Tensor centroids, Tensor keys, Tensor values, Tensor valid, int topk, float scaling) "
+        "-> (Tensor, Tensor, Tensor, Tensor)",
+        BOTH,
+        "reference.centroid_attention",
+    ),
+    Step(
+        "topk_refine",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor assignments, Tensor centroid_values, "
+        "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) -> Tensor",
+        BOTH,
+        "reference.topk_refine",
+    ),
+    Step(
+        "broadcast_clusters",
+        "(Tensor centroid_values, Tensor assignments) -> Tensor",
+        BOTH,
+        "reference.broadcast_clusters",
+    ),
+    Step(
+        "banded_attention",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor",
+        BOTH,
+        "reference.banded_attention",
+    ),
+    # Exact attention on short rows is torch's SDPA in attention.py: no op; every backend runs the reference.
+    Step("exact_attention", None, (), "reference.exact_attention"),
+    # i-clustered+ (issue 13): Lloyd rounds on the query vectors, refinement with each query's own mass.
+    Step(
+        "lloyd_refine",
+        "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.lloyd_refine",
+    ),
+    Step(
+        "refine_with_query_mass",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
+        "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) "
+        "-> Tensor",
+        CPU,
+        "reference.refine_with_query_mass",
+    ),
+    # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
+    # composed steps' result bit for bit.
+    Step(
+        "clustered_heads",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor planes, Tensor offsets, "
+        "int clusters, int topk, int iterations, str mode, int lloyd_rounds, float scaling) -> Tensor",
+        CPU,
+        "attention.composed_heads",
+        fused=True,
+    ),
+)
+
+BY_NAME: dict[str, Step] = {step.name: step for step in STEPS}
+
+
+def compiled_by(backend: str) -> tuple[str, ...]:
+    """The names of the ops ``backend``'s kernels implement (what its availability requires)."""
+    return tuple(step.name for step in STEPS if backend in step.compiled)

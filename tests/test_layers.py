@@ -1,0 +1,159 @@
+"""The package's layers, read from its imports (top-level and inside functions) with ``ast``.
+
+docs/development.md draws the same picture. A module may import its own layer and the layers below it;
+a feature (``evaluation``, ``embedding``, ``inspection``) imports no other feature; no module imports a
+private name (``_x``) of another unit; only the shell imports the package's facade (``bert_cluster``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "bert_cluster"
+
+#: Lowest first. A unit is a top-level module or a subpackage of bert_cluster.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "core": (
+        "_version",
+        "environment",
+        "config",
+        "steps",
+        "reference",
+        "_loader",
+        "_cuda_sources",
+        "_cuda_jit",
+        "ops",
+        "dispatch",
+        "crossover",
+        "attention",
+        "hf",
+        "_hook",
+        "_build",
+    ),
+    "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
+    "features": ("evaluation", "embedding", "inspection"),
+    "shell": ("render", "cli", "__main__"),
+}
+#: The public API module (``bert_cluster/__init__.py``): it sits on the core and reaches the features
+#: lazily; below the shell nothing imports it.
+FACADE = "bert_cluster"
+RANK = {unit: rank for rank, units in enumerate(LAYERS.values()) for unit in units}
+LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit_of(module: str) -> str:
+    """``bert_cluster.evaluation.kinds.squad`` -> ``evaluation``; the package itself -> the facade."""
+    parts = module.split(".")
+    return FACADE if len(parts) == 1 else parts[1]
+
+
+def imports(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[int, str, str]]:
+    """``(line, imported module, name)`` for every import of the package, wherever it stands.
+
+    ``from bert_cluster import hf`` names the module ``bert_cluster.hf``; ``from bert_cluster import
+    convert`` names the facade and ``convert``.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.append((node.lineno, *((target, "") if target in known else (base, alias.name))))
+    return [(line, target, name) for line, target, name in found if target.split(".")[0] == FACADE]
+
+
+def private(target: str, name: str) -> bool:
+    """True for ``_x`` (a dunder such as ``__version__`` is public) in the name or below the unit."""
+    return any(part.startswith("_") and not part.startswith("__") for part in [*target.split(".")[2:], name])
+
+
+def violations(files: dict[str, str], packages: set[str]) -> list[str]:
+    """Every import among ``files`` (module name -> source) that breaks the layers."""
+    known = set(files)
+    problems = []
+    for module, source in sorted(files.items()):
+        unit = unit_of(module)
+        for line, target, name in imports(source, module, module in packages, known):
+            where = f"{module}:{line} imports {target}{'.' + name if name else ''}"
+            other = unit_of(target)
+            if other == unit and unit != FACADE:
+                continue
+            if other == FACADE:
+                if LAYER_OF.get(unit) != "shell":
+                    problems.append(f"{where}: only the shell imports the facade (import the module itself)")
+                continue
+            if unit == FACADE:
+                if LAYER_OF.get(other) == "shell":
+                    problems.append(f"{where}: the facade imports the shell")
+                continue
+            if unit not in RANK or other not in RANK:
+                problems.append(f"{where}: {unit if unit not in RANK else other} is in no layer (add it)")
+                continue
+            if RANK[other] > RANK[unit]:
+                problems.append(f"{where}: {LAYER_OF[unit]} imports {LAYER_OF[other]} (a layer above)")
+            elif LAYER_OF[unit] == LAYER_OF[other] == "features":
+                problems.append(f"{where}: a feature imports another feature")
+            elif private(target, name) and not LAYER_OF[unit] == LAYER_OF[other] == "core":
+                problems.append(f"{where}: a private name of another unit")
+    return problems
+
+
+def package_files() -> tuple[dict[str, str], set[str]]:
+    files, packages = {}, set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path, PACKAGE)
+        files[name] = path.read_text(encoding="utf-8")
+        if path.name == "__init__.py":
+            packages.add(name)
+    return files, packages
+
+
+def test_every_unit_of_the_package_is_in_a_layer():
+    files, _ = package_files()
+    units = {unit_of(module) for module in files} - {FACADE}
+    assert units - set(RANK) == set(), "add them to LAYERS (and to docs/development.md)"
+    assert set(RANK) - units == set(), "gone from the package: remove them from LAYERS"
+
+
+def test_the_package_keeps_its_layers():
+    files, packages = package_files()
+    assert violations(files, packages) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "message"),
+    [
+        ("bert_cluster.attention", "def f():\n    from bert_cluster import checkpoints\n", "imports base"),
+        ("bert_cluster.errors", "from bert_cluster.evaluation.report import Results\n", "imports features"),
+        ("bert_cluster.embedding.run", "from bert_cluster.evaluation import data\n", "another feature"),
+        ("bert_cluster.inspection", "def f():\n    from bert_cluster.evaluation import tuner\n", "another"),
+        ("bert_cluster.embedding.run", "from ..evaluation.data import load_rows\n", "another feature"),
+        ("bert_cluster.reports", "import bert_cluster\n", "only the shell imports the facade"),
+        ("bert_cluster.checkpoints", "from bert_cluster import convert\n", "only the shell imports"),
+        ("bert_cluster.inspection", "from bert_cluster.hf import _layer_indices\n", "a private name"),
+        ("bert_cluster.embedding", "from bert_cluster.checkpoints import _package_model_dir\n", "private"),
+        ("bert_cluster.parallel", "from bert_cluster.render import table\n", "base imports shell"),
+        ("bert_cluster.newthing", "from bert_cluster import config\n", "in no layer"),
+    ],
+)
+def test_the_check_finds_each_kind_of_break(module, source, message):
+    files, packages = package_files()
+    files[module] = source
+    found = violations(files, packages)
+    assert any(message in problem and problem.startswith(module) for problem in found), found
