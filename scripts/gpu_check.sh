@@ -210,6 +210,11 @@ assert s["loaded"] and not missing, (s["reason"], missing)'
 if [[ $DRY == 1 ]]; then
   record build stub 0 "$(limit_of build)" "--dry-run: a CUDA build needs nvcc and a CUDA torch (CI's check_cuda_build.sh compiles it)"
 elif [[ $SKIP_BUILD == 1 ]]; then
+  # scripts/prebuild_gpu.sh's build, carried as .gpu-build (else the _C already in bert_cluster/).
+  if compgen -G ".gpu-build/bert_cluster/_C*.so" >/dev/null; then
+    rm -f bert_cluster/_C*.so
+    cp .gpu-build/bert_cluster/_C*.so bert_cluster/
+  fi
   record build skipped 0 "$(limit_of build)" "--skip-build: the _C carried in the working tree"
 elif [[ "$CALL" == speed ]] && has_cuda_build; then
   record build skipped 0 "$(limit_of build)" "the _C here already has CUDA kernels for this torch"
