@@ -15,7 +15,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$ROOT/.venv-gpu"
 TORCH_SPEC="${BERT_CLUSTER_GPU_TORCH:-torch==2.11.0}"
-PYTHON="${BERT_CLUSTER_GPU_PYTHON:-$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python 2>/dev/null | head -1 || command -v python3)}"
+PYTHON="${BERT_CLUSTER_GPU_PYTHON:-python3}"
+for candidate in "$HOME"/.pyenv/versions/3.12*/bin/python "$(command -v python3.12 || true)"; do
+  if [[ -z "${BERT_CLUSTER_GPU_PYTHON:-}" && -n "$candidate" ]] \
+    && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    PYTHON="$candidate"
+    break
+  fi
+done
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"

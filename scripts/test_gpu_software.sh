@@ -9,12 +9,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="${BERT_CLUSTER_GPUSW_VENV:-$ROOT/.venv-gpusw}"
 TORCH_VERSION="${BERT_CLUSTER_GPUSW_TORCH:-2.11.0}"
-PYTHON="$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python 2>/dev/null | head -1 || command -v python3)"
+PYTHON=python3
+for candidate in "$HOME"/.pyenv/versions/3.12*/bin/python "$(command -v python3.12 || true)"; do
+  if [[ -n "$candidate" ]] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    PYTHON="$candidate"
+    break
+  fi
+done
 # The oldest transformers claimed: the floor of pyproject's "transformers>=X,..." dependency.
 FLOOR="$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml | head -1)"
 [[ -n "$FLOOR" ]] || { echo "test_gpu_software: no transformers>=X in pyproject.toml" >&2; exit 1; }
 want="torch $TORCH_VERSION, transformers $FLOOR"
-if [[ "$("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__.split("+")[0]}, transformers {transformers.__version__}")' 2>/dev/null)" != "$want" ]]; then
+if [[ "$(cat "$VENV/.tested-with" 2>/dev/null)" != "$want" ]]; then
   echo "test_gpu_software: making $VENV ($PYTHON; $want)"
   rm -rf "$VENV"
   "$PYTHON" -m venv "$VENV"
@@ -25,6 +31,7 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if not d.startswith(("torch", "transformers"))))')
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "transformers==$FLOOR" "${DEPS[@]}" \
     "pytest>=8" "hypothesis>=6.100" ninja setuptools wheel
+  echo "$want" >"$VENV/.tested-with"
 fi
 "$VENV/bin/python" -c 'import sys, torch, transformers; print("test_gpu_software: python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__)'
 WORK="$(mktemp -d)"
