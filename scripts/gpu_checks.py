@@ -362,7 +362,7 @@ def checks(output: Path) -> int:
     c.run("N = 1", lambda: end_to_end(1, 64, rows=3))
     # Op by op (each op fed the reference's own inputs): a hash bit that another summation order flips
     # near a zero projection (~0.2% of orders here) then changes one hash, not the whole output.
-    rows = 64 // (2 * SHRINK)
+    rows = 32 // SHRINK
     many = lambda: ops_against_reference(256, torch.float16, dk=32, rows=rows, heads=16)  # noqa: E731
     c.run(f"many rows and heads ({rows} x 16 x 256), op by op", many)
     c.run(
@@ -370,9 +370,7 @@ def checks(output: Path) -> int:
     )
     c.run(
         f"hamming_kmeans C = {KMEANS_MAX_CLUSTERS} (the largest admitted) launches",
-        lambda: kmeans_many_clusters(
-            KMEANS_MAX_CLUSTERS, 6000 if DEVICE == "cuda" else 4400, iterations=2 if DEVICE == "cuda" else 1
-        ),
+        lambda: kmeans_many_clusters(KMEANS_MAX_CLUSTERS, 6000 if DEVICE == "cuda" else 4400, iterations=1),
     )
 
     def hf_layout():
@@ -499,7 +497,8 @@ def plus_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64) 
         return row
     q, k, v = _bf16_inputs(batch, n, heads, dim)
     valid = torch.ones(batch, n, dtype=torch.bool, device=DEVICE)
-    row["i_clustered_plus_ms"] = _event_time(lambda: clustered_attention(q, k, v, valid, config), repeats)
+    timed = lambda: clustered_attention(q, k, v, valid, config)  # noqa: E731
+    row["i_clustered_plus_ms"] = _event_time(timed, min(repeats, 2))
     return row
 
 
