@@ -9,11 +9,12 @@
 # /usr/local/cuda's nvcc 13.0 for sm_90 (the H200) and every x86-64 CPU library (the GPU machine's CPU level
 # is not known here), into .gpu-build/bert_cluster/. Both folders are git-ignored: name .gpu-build in the
 # device call's `carry` (about 30 MB); gpu_check.sh --skip-build copies it into bert_cluster/ there.
-# BERT_CLUSTER_GPU_TORCH / BERT_CLUSTER_GPU_PYTHON override the torch spec and the Python.
+# BERT_CLUSTER_GPU_TORCH / BERT_CLUSTER_GPU_PYTHON / BERT_CLUSTER_GPU_VENV override the torch spec, the Python
+# and the venv (e.g. scripts/test_gpu_software.sh's .venv-gpusw, which holds the same torch).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VENV="$ROOT/.venv-gpu"
+VENV="${BERT_CLUSTER_GPU_VENV:-$ROOT/.venv-gpu}"
 TORCH_SPEC="${BERT_CLUSTER_GPU_TORCH:-torch==2.11.0}"
 PYTHON="${BERT_CLUSTER_GPU_PYTHON:-python3}"
 for candidate in "$HOME"/.pyenv/versions/3.12*/bin/python "$(command -v python3.12 || true)"; do
