@@ -41,11 +41,7 @@ def cpu_level() -> int:
     """This CPU's x86-64 level from /proc/cpuinfo (1 when unknown; 0 on another architecture)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
-    try:
-        line = next((r for r in Path("/proc/cpuinfo").read_text().splitlines() if r.startswith("flags")), "")
-    except OSError:
-        return 1
-    flags, level = set(line.partition(":")[2].split()), 1
+    flags, level = environment.cpu_flags(), 1
     for candidate in (3, 4):
         if not _LEVEL_FLAGS[candidate] <= flags:
             break

@@ -152,6 +152,19 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def device_name(device: torch.device | str) -> str:
     """The model of a device: the GPU's name, or the CPU's."""
     import torch
