@@ -19,10 +19,11 @@ time), so reinstalling recompiles only the kernel sources that changed.
 
 Wheels (``python -m build``: an sdist, then a wheel built from it, with the pinned torch of
 ``[build-system]`` in an isolated environment; ``MANIFEST.in`` lists what the sdist carries): the CPU
-libraries and ``configs/`` are inside the wheel, which requires that same torch. A CUDA wheel:
-``BERT_CLUSTER_BUILD_CUDA=1 python -m build --wheel --no-isolation`` in an environment with a CUDA build
-of the pinned torch release and a matching nvcc (an isolated build would install the CPU torch of
-``[build-system]``; for another torch release change both pins of pyproject.toml first).
+libraries, the kernel sources and ``configs/`` are inside the wheel, which requires a torch range: the
+prebuilt CPU libraries serve the release they were built with, other releases build them on first use.
+A CUDA wheel: ``BERT_CLUSTER_BUILD_CUDA=1 python -m build --wheel --no-isolation`` in an environment with a
+CUDA build of the torch release and a matching nvcc (an isolated build would install the CPU torch of
+``[build-system]``; for another torch release change its pin in pyproject.toml first).
 """
 
 from __future__ import annotations
@@ -106,19 +107,23 @@ def _extensions() -> tuple[list, dict]:
 
 
 def _check_torch_pin(built_for: str) -> None:
-    """Say so when the torch building the kernels is not the one the package requires.
+    """Say so when the torch building the kernels is outside the range the package requires.
 
-    A wheel's dependencies pin pyproject.toml's torch, and the loader refuses kernels built for another
-    one: such a wheel would install and then run the reference (e.g. a CUDA wheel built against another
-    torch release: change both pins of pyproject.toml to that release first).
+    A wheel's prebuilt CPU kernels serve the torch release they were built against; under another release
+    of the range they build on first use (bert_cluster/_cpu_jit.py). A torch outside the range would
+    make a wheel whose own kernels never load.
     """
     import re
 
-    match = re.search(r'^\s*"torch==([^"]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
-    if match and match.group(1) != built_for.split("+")[0]:
+    match = re.search(r'^\s*"torch>=([\d.]+),<([\d.]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
+    if not match:
+        return
+    release = tuple(int(part) for part in re.findall(r"\d+", built_for.split("+")[0])[:2])
+    low, high = (tuple(int(part) for part in bound.split(".")[:2]) for bound in match.groups())
+    if not low <= release < high:
         print(
-            f"bert-cluster: NOTE the kernels are built against torch {built_for}, but pyproject.toml's "
-            f"dependencies pin torch=={match.group(1)}: a wheel of this build would not load its kernels",
+            f"bert-cluster: NOTE the kernels are built against torch {built_for}, outside pyproject.toml's "
+            f"torch>={match.group(1)},<{match.group(2)}: a wheel of this build would not load its kernels",
             file=sys.stderr,
         )
 
@@ -216,7 +221,7 @@ class BuildPyWithConfigs(build_py):
             package = Path(self.build_lib) / "bert_cluster"
             shutil.copytree(ROOT / "configs", package / "configs", dirs_exist_ok=True)
             kernels = ROOT / "kernels"
-            for path in CUDA.source_files(kernels):
+            for path in [*CUDA.source_files(kernels), *CUDA.cpu_source_files(kernels)]:
                 target = package / "kernels" / path.relative_to(kernels)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)

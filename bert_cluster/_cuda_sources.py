@@ -50,6 +50,24 @@ def sources_digest(kernels: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def cpu_sources(kernels: Path) -> list[Path]:
+    """The translation units of the CPU kernels (``kernels/cpu/*.cpp``), sorted."""
+    return sorted((kernels / "cpu").glob("*.cpp"))
+
+
+def cpu_source_files(kernels: Path) -> list[Path]:
+    """Every file the CPU kernels' build reads (a wheel carries them for the first-use build)."""
+    return [*cpu_sources(kernels), *sorted((kernels / "cpu").glob("*.h")), kernels / "checks.h"]
+
+
+def cpu_sources_digest(kernels: Path, flags: list[str]) -> str:
+    """A short hash of the CPU kernels' source files and flags."""
+    digest = hashlib.sha256(repr((CXX_FLAGS, flags)).encode())
+    for path in cpu_source_files(kernels):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def include_dirs(torch_dir: Path) -> list[str]:
     """Extra include folders: pip's CUDA torch ships headers the system toolkit may lack (cusparse.h)."""
     return [str(path) for path in sorted(torch_dir.resolve().parent.glob("nvidia/cu*/include"))]

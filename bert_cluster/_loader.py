@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,11 @@ _cpu_library: list[str] = []  # the CPU kernel library this process loaded (torc
 _warned = False
 
 
-def load() -> dict[str, Any]:
+def load(first_use: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Import ``bert_cluster._C`` once and return what happened.
+
+    ``first_use`` (``ops`` passes ``_cpu_jit.build``) builds the CPU kernels for this torch when the
+    prebuilt ones are for another release; without it such a build is only reported.
 
     Returns:
         ``loaded`` (bool), ``reason`` (why not, empty when loaded) and the facts the build carries:
@@ -68,6 +72,7 @@ def load() -> dict[str, Any]:
             state["reason"] = (
                 f"built for another torch (running {torch.__version__}): {text}; rebuild: {BUILD_HINT}"
             )
+            _build_on_first_use(state, first_use)
         else:
             state["reason"] = f"import error: {text}"
     except OSError as error:
@@ -84,6 +89,7 @@ def load() -> dict[str, Any]:
             state["reason"] = (
                 f"built for another torch ({built_for}, running {torch.__version__}); rebuild: {BUILD_HINT}"
             )
+            _build_on_first_use(state, first_use)
         else:
             state["reason"] = _load_cpu_library(module, state)
             state["loaded"] = not state["reason"]
@@ -91,6 +97,31 @@ def load() -> dict[str, Any]:
     if not state["loaded"]:
         _warn_once(state["reason"])
     return state
+
+
+def _build_on_first_use(state: dict[str, Any], first_use: Callable[[], dict[str, Any]] | None) -> None:
+    """The prebuilt kernels are for another torch release: build the CPU ones for this torch (cached).
+
+    On success the state says loaded, with this torch as the build's; else the reason names both failures.
+    """
+    if first_use is None or environment.kernels_disabled() or _cpu_library:
+        return
+    built = first_use()
+    if not built["ok"]:
+        state["reason"] += f"; {built['reason']}"
+        return
+    _cpu_library[:] = [built["path"]]
+    state.update(
+        loaded=True,
+        reason="",
+        torch_version=str(torch.__version__),
+        with_cuda=False,
+        path=built["path"],
+        cpu_isa=built["label"],
+        cpu_isas=[built["label"]],
+        cpu_library=built["path"],
+        built_on_first_use=True,
+    )
 
 
 def compatible_torch(built_for: str, running: str, with_cuda: bool) -> bool:

@@ -29,6 +29,8 @@ DISABLE_KERNELS = "BERT_CLUSTER_DISABLE_KERNELS"
 CPU_ISA = "BERT_CLUSTER_CPU_ISA"
 #: ``0``: never build the CUDA kernels on first use (where ``_C`` has none and nvcc exists).
 CUDA_JIT = "BERT_CLUSTER_CUDA_JIT"
+#: ``0``: never build the CPU kernels on first use (where the prebuilt ones are for another torch release).
+CPU_JIT = "BERT_CLUSTER_CPU_JIT"
 #: The folder of the crossover cache (else ``$XDG_CACHE_HOME/bert-cluster``, else ``~/.cache/bert-cluster``).
 CACHE_DIR = "BERT_CLUSTER_CACHE_DIR"
 #: Extra data folders of the evaluator, separated by ``os.pathsep``.
@@ -51,7 +53,9 @@ VARIABLES: dict[str, str] = {
     DISABLE_KERNELS: "set (not 0): the PyTorch reference runs instead of the compiled kernels",
     CPU_ISA: "the CPU kernel library to load (x86_64_v3, ...) instead of the best this CPU runs",
     CUDA_JIT: "0: never build the CUDA kernels on first use (they build where _C has none and nvcc exists)",
-    CACHE_DIR: "folder of the min_length='auto' crossover cache and the first-use CUDA kernels",
+    CPU_JIT: "0: never build the CPU kernels on first use (they build where the prebuilt ones are for "
+    "another torch release)",
+    CACHE_DIR: "folder of the min_length='auto' crossover cache and the first-use CUDA and CPU kernels",
     DATA_DIR: "extra data folders of the evaluator (os.pathsep-separated)",
     CONFIGS: "the evaluator's configs folder",
     SHARED: "the shared checkpoints and data of the tests and benchmarks",
@@ -93,6 +97,11 @@ def backend_key() -> tuple[str | None, str | None]:
 def cuda_jit_enabled() -> bool:
     """``$BERT_CLUSTER_CUDA_JIT`` is not ``0``: the CUDA kernels may build on first use."""
     return os.environ.get(CUDA_JIT, "").strip() not in ("0", "false", "False", "no")
+
+
+def cpu_jit_enabled() -> bool:
+    """``$BERT_CLUSTER_CPU_JIT`` is not ``0``: the CPU kernels may build on first use."""
+    return os.environ.get(CPU_JIT, "").strip() not in ("0", "false", "False", "no")
 
 
 def cpu_isa_override() -> str | None:
@@ -141,6 +150,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s ``flags`` line; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def device_name(device: torch.device | str) -> str:

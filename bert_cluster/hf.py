@@ -124,7 +124,9 @@ def settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
             f"attn_implementation={ATTENTION_NAME!r} needs config.{SETTINGS_KEY}; "
             "use bert_cluster.convert(model)"
         )
-    seen = _SEEN.get(id(stored))
+    # torch.compile (2.11) cannot trace id() of a dict: compiled code keys by value alone (traced once).
+    compiling = torch.compiler.is_compiling()
+    seen = None if compiling else _SEEN.get(id(stored))
     if seen is not None and seen[0] is stored and seen[1] == stored:  # the same dict, unchanged
         return seen[2]
     content = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in stored.items()))
@@ -137,6 +139,8 @@ def settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
         if len(_PARSED) >= 256:
             _PARSED.clear()
         _PARSED[content] = parsed
+    if compiling:
+        return parsed
     if len(_SEEN) >= 256:
         _SEEN.clear()
     _SEEN[id(stored)] = (stored, copy.deepcopy(stored), parsed)

@@ -99,9 +99,16 @@ _loaded = [False]  # whether _loader.load() ran: the CPU/CUDA implementations re
 
 def load_kernels() -> dict:
     """Import ``bert_cluster._C`` (once, after the schemas above exist); the loader's state."""
-    state = _loader.load()
+    state = _loader.load(first_use=_build_cpu_kernels)
     _loaded[0] = True
     return state
+
+
+def _build_cpu_kernels() -> dict:
+    """The CPU kernels built for this torch (``_cpu_jit``): the prebuilt ones are for another release."""
+    from bert_cluster import _cpu_jit
+
+    return _cpu_jit.build()
 
 
 def missing_kernels(dispatch_key: str) -> list[str]:

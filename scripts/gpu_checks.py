@@ -3,6 +3,13 @@
     python scripts/gpu_checks.py checks --output OUT/checks.json   # correctness on the GPU (~1 min)
     python scripts/gpu_checks.py quick                              # small shapes, for compute-sanitizer
     python scripts/gpu_checks.py bench --output OUT/bench.json      # CUDA-event timings, SDPA, peak memory
+    python scripts/gpu_checks.py pytest --output OUT/pytest.json -- -m cuda tests/ops   # fails on skips
+
+``--device cpu`` (gpu_check.sh --dry-run) runs the same code with the CPU kernels standing in for CUDA, on
+smaller shapes: the checks that only a GPU can make (a side stream, host syncs, device assertions) are
+recorded as ``stub``. Every timing and determinism figure is taken on the mode the kernels serve alone
+(``mode="i-clustered"``, no growth of C and k with length); convert's default (i-clustered+, which grows
+C and k and runs PyTorch steps between the kernels) is timed separately and labelled so.
 
 `checks`: every op against the reference on the GPU at N = 5,000 and 8,192; head dims 8, 40, 72, 200, 256,
 512 and Dv != Dk; a fully padded row; C above the valid count with duplicate hashes; N = 1; many rows and
@@ -34,7 +41,14 @@ from bert_cluster import ClusteredAttentionConfig, clustered_attention, dispatch
 from bert_cluster import reference as ref  # noqa: E402
 from bert_cluster.attention import hash_planes, windowed_attention  # noqa: E402
 
-DEVICE = "cuda"
+DEVICE = "cuda"  # "cpu" with --device cpu: the CPU kernels stand in (gpu_check.sh --dry-run)
+BACKEND = "cuda"
+#: Shapes are divided by this on the CPU stand-in (it checks the scripts' code, not the GPU's numbers).
+SHRINK = 1
+#: What a check of the GPU alone records on the stand-in.
+STUB = "stub"
+#: The (R, H, N, k, D) fp32 gather that i-clustered+'s PyTorch refinement makes is skipped above this.
+GATHER_LIMIT_BYTES = 32 * 2**30
 #: Float outputs of one op against the reference on the same inputs (fp32 accumulation on both sides):
 #: the CPU suite's thresholds (tests/ops/test_ops.py OP_ATOL), doubled for the longer rows here.
 OP_ATOL = {torch.float32: 8e-6, torch.float16: 8e-6, torch.bfloat16: 1.2e-5}
@@ -57,6 +71,13 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max()) if a.numel() else 0.0
 
 
+def kernel_config(**changes) -> ClusteredAttentionConfig:
+    """The kernels' own mode: i-clustered, C and k fixed at every length, on the backend under test."""
+    settings = dict(mode="i-clustered", cluster_growth=0, topk_growth=0, min_length=0, backend=BACKEND)
+    settings.update(changes)
+    return ClusteredAttentionConfig(**settings)
+
+
 class Checks:
     """Runs named checks, recording each outcome; never lets one failure stop the rest."""
 
@@ -68,14 +89,14 @@ class Checks:
         entry: dict = {"check": name}
         try:
             facts = fn() or {}
-            entry.update(status="passed", **facts)
+            entry.update(status=facts.pop("status", "passed"), **facts)
         except Exception as error:  # noqa: BLE001 - recorded, then the next check runs
             trace = traceback.format_exc()[-2000:]
             entry.update(status="failed", error=f"{type(error).__name__}: {error}", trace=trace)
         entry["seconds"] = round(time.perf_counter() - start, 2)
         self.results.append(entry)
         print(
-            f"[{entry['status']:6s}] {name} ({entry['seconds']} s)"
+            f"[{entry['status']:7s}] {name} ({entry['seconds']} s)"
             + (f": {entry.get('error', '')}" if entry["status"] == "failed" else ""),
             flush=True,
         )
@@ -93,7 +114,7 @@ def ops_against_reference(
     given=None,
 ) -> dict:
     """Every op on the GPU against the reference (run on the CPU) on the reference's own inputs."""
-    cuda = dispatch.BACKENDS["cuda"]
+    cuda = dispatch.BACKENDS[BACKEND]
     q, k, v, valid = given if given is not None else _inputs(rows, heads, n, dk, dv, dtype)
     planes, offsets = hash_planes(0, 0, 63, dk)
     scaling = 1 / math.sqrt(dk)
@@ -162,7 +183,7 @@ def end_to_end(
     if q is None:
         q, k, v, made = _inputs(rows, heads, n, dk, dv, dtype, seed)
         valid = made if valid is None else valid
-    config = ClusteredAttentionConfig(clusters=clusters, topk=topk, mode=mode)
+    config = kernel_config(clusters=clusters, topk=topk, mode=mode)
     expected = clustered_attention(
         q.float().contiguous(),
         k.float().contiguous(),
@@ -171,7 +192,7 @@ def end_to_end(
         config.replace(backend="reference"),
     )
     got = clustered_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), valid.to(DEVICE), config.replace(backend="cuda")
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), valid.to(DEVICE), config.replace(backend=BACKEND)
     )
     err = _max_err(got, expected)
     assert err <= END_ATOL[dtype], f"max abs error {err:.3g}"
@@ -184,21 +205,38 @@ def end_to_end(
         v.to(DEVICE).float(),
         valid.to(DEVICE),
         16,
-        config.replace(backend="cuda"),
+        config.replace(backend=BACKEND),
     )
     band_err = _max_err(band, band_expected)
     assert band_err <= OP_ATOL[torch.float32], f"band max abs error {band_err:.3g}"
     return {"max_abs_error": err, "band_max_abs_error": band_err}
 
 
-def side_stream_no_sync_deterministic() -> dict:
-    """Same bits on a side stream, twice, with torch raising on any host synchronisation inside the ops."""
-    q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, 3000, 64, dtype=torch.bfloat16, seed=3))
-    config = ClusteredAttentionConfig(backend="cuda")
-    torch.cuda.synchronize()
-    base = clustered_attention(q, k, v, valid, config)  # warm-up (planes cached, kernels loaded)
+def run_to_run_determinism() -> dict:
+    """The same bits twice, end to end and op by op, on the kernels' own mode (i-clustered, no growth).
+
+    i-clustered+ is not checked here: its CUDA path runs PyTorch steps between the kernels, among them a
+    float ``index_add_`` (non-deterministic on CUDA by PyTorch's own documentation).
+    """
+    n = 3000 // SHRINK
+    q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, n, 64, dtype=torch.bfloat16, seed=3))
+    config = kernel_config()
+    base = clustered_attention(q, k, v, valid, config)
+    again = clustered_attention(q, k, v, valid, config)
+    assert torch.equal(base, again), "clustered_attention (i-clustered) differs between two runs"
+    band = windowed_attention(q, k, v, valid, 64, config)
+    assert torch.equal(band, windowed_attention(q, k, v, valid, 64, config)), "banded differs between runs"
+    return {"mode": config.mode, "n": n}
+
+
+def side_stream_no_sync() -> dict:
+    """Every op on a side stream with torch raising on any host synchronisation inside the ops."""
+    if DEVICE != "cuda":
+        return {"status": STUB, "why": "needs a GPU (CUDA streams, torch.cuda.set_sync_debug_mode)"}
     from bert_cluster import ops
 
+    q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, 3000, 64, dtype=torch.bfloat16, seed=3))
+    clustered_attention(q, k, v, valid, kernel_config())  # warm-up (planes cached, kernels loaded)
     planes, offsets = hash_planes(0, 0, 63, 64, DEVICE)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -220,13 +258,13 @@ def side_stream_no_sync_deterministic() -> dict:
     stream.synchronize()
     assert torch.equal(first, second), "topk_refine differs between two runs"
     assert torch.equal(band, band_again), "banded_attention differs between two runs"
-    again = clustered_attention(q, k, v, valid, config)
-    assert torch.equal(base, again), "clustered_attention differs between two runs"
     return {"sync_debug_mode": "error (no synchronising call inside the ops)"}
 
 
 def device_assert_on_bad_assignments() -> dict:
     """Out-of-range assignments fail a device-side assertion (in a child: the CUDA context is lost after)."""
+    if DEVICE != "cuda":
+        return {"status": STUB, "why": "needs a GPU (a device-side assertion)"}
     code = (
         "import sys, torch; sys.path.insert(0, sys.argv[1]); from bert_cluster import ops\n"
         "q = torch.randn(1, 1, 16, 8, device='cuda')\n"
@@ -243,22 +281,58 @@ def device_assert_on_bad_assignments() -> dict:
     return {"message": text.strip().splitlines()[-1][:200]}
 
 
+#: The most clusters the CUDA hamming_kmeans admits (kernels/cuda/hash.cu: 48 KiB of shared memory).
+KMEANS_MAX_CLUSTERS = 4010
+
+
+def kmeans_many_clusters(clusters: int, n: int, iterations: int = 3) -> dict:
+    """hamming_kmeans against the reference where C is large: from C = 177 the CUDA kernel keeps its
+    counts in global memory (they no longer fit in shared memory beside the centroids), and C = 4010, the
+    largest its check admits, must launch. Distinct hashes outnumber C, so every centroid is used."""
+    generator = torch.Generator().manual_seed(clusters)
+    hashes = torch.randint(0, 2**40, (1, 2, n), generator=generator)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, n - n // 7 :] = False
+    expected = ref.hamming_kmeans(hashes, valid, clusters, iterations, 40)
+    got = dispatch.BACKENDS[BACKEND].hamming_kmeans(
+        hashes.to(DEVICE), valid.to(DEVICE), clusters, iterations, 40
+    )
+    assert torch.equal(got[0].cpu(), expected[0]), f"assignments differ at C = {clusters}"
+    assert torch.equal(got[1].cpu(), expected[1]), f"centroids differ at C = {clusters}"
+    facts = {"clusters": clusters, "n": n, "iterations": iterations}
+    if BACKEND == "cuda" and clusters == KMEANS_MAX_CLUSTERS:
+        try:
+            dispatch.BACKENDS[BACKEND].hamming_kmeans(
+                hashes.to(DEVICE), valid.to(DEVICE), clusters + 1, 1, 40
+            )
+        except (ValueError, RuntimeError) as error:
+            facts["refused_above"] = str(error).splitlines()[0][:200]
+        else:
+            raise AssertionError(f"C = {clusters + 1} was admitted; the kernel's limit says {clusters}")
+    return facts
+
+
 def checks(output: Path) -> int:
     torch.manual_seed(0)
-    ok, why = dispatch.BACKENDS["cuda"].is_available()
+    ok, why = dispatch.BACKENDS[BACKEND].is_available()
     if not ok:
-        output.write_text(json.dumps({"error": f"CUDA backend unavailable: {why}"}, indent=1))
-        print(f"CUDA backend unavailable: {why}")
+        output.write_text(json.dumps({"error": f"{BACKEND} backend unavailable: {why}"}, indent=1))
+        print(f"{BACKEND} backend unavailable: {why}")
         return 1
     c = Checks()
     for n in (5000, 8192):
         for dtype in (torch.float32, torch.bfloat16):
-            c.run(f"ops vs reference N={n} {dtype}", lambda n=n, dtype=dtype: ops_against_reference(n, dtype))
+            c.run(
+                f"ops vs reference N={n // SHRINK} {dtype}",
+                lambda n=n, dtype=dtype: ops_against_reference(n // SHRINK, dtype),
+            )
     for dk in (8, 40, 72, 200, 256, 512):
         c.run(f"end to end head dim {dk}", lambda dk=dk: end_to_end(300, dk, heads=2))
     c.run("Dv != Dk (64, 40)", lambda: end_to_end(400, 64, 40))
 
     def head_dim_limit():
+        if DEVICE != "cuda":
+            return {"status": STUB, "why": "the CUDA backend's own limit"}
         reasons = dispatch.CudaKernelBackend.not_supported_reasons(torch.zeros(1, 1, 2, 513, device=DEVICE))
         assert reasons, "no reason given for Dk=513"
         assert dispatch.select_backend("auto", torch.zeros(1, 1, 2, 513, device=DEVICE)).name == "reference"
@@ -270,13 +344,7 @@ def checks(output: Path) -> int:
         q, k, v, valid = _inputs(3, 2, 200, 64)
         valid[1] = False
         facts = end_to_end(200, 64, q=q, k=k, v=v, valid=valid)
-        got = clustered_attention(
-            q.to(DEVICE),
-            k.to(DEVICE),
-            v.to(DEVICE),
-            valid.to(DEVICE),
-            ClusteredAttentionConfig(backend="cuda"),
-        )
+        got = clustered_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), valid.to(DEVICE), kernel_config())
         assert bool((got[1] == 0).all()), "a fully padded row must give zeros"
         return facts
 
@@ -292,8 +360,18 @@ def checks(output: Path) -> int:
 
     c.run("C above the valid count, duplicate hashes", duplicate_hashes)
     c.run("N = 1", lambda: end_to_end(1, 64, rows=3))
-    many = lambda: end_to_end(256, 32, rows=64, heads=16, dtype=torch.float16)  # noqa: E731
-    c.run("many rows and heads (64 x 16 x 256)", many)
+    # Op by op (each op fed the reference's own inputs): a hash bit that another summation order flips
+    # near a zero projection (~0.2% of orders here) then changes one hash, not the whole output.
+    rows = 32 // SHRINK
+    many = lambda: ops_against_reference(256, torch.float16, dk=32, rows=rows, heads=16)  # noqa: E731
+    c.run(f"many rows and heads ({rows} x 16 x 256), op by op", many)
+    c.run(
+        "hamming_kmeans C = 200 (counts in global memory)", lambda: kmeans_many_clusters(200, 6000 // SHRINK)
+    )
+    c.run(
+        f"hamming_kmeans C = {KMEANS_MAX_CLUSTERS} (the largest admitted) launches",
+        lambda: kmeans_many_clusters(KMEANS_MAX_CLUSTERS, 6000 if DEVICE == "cuda" else 4400, iterations=1),
+    )
 
     def hf_layout():
         generator = torch.Generator().manual_seed(6)
@@ -303,11 +381,16 @@ def checks(output: Path) -> int:
         return end_to_end(500, 64, q=q, k=k, v=v, valid=valid)
 
     c.run("HF-layout non-contiguous inputs", hf_layout)
-    c.run("side stream, no host sync, run-to-run determinism", side_stream_no_sync_deterministic)
+    c.run("run-to-run determinism (i-clustered, no growth)", run_to_run_determinism)
+    c.run("side stream, no host sync", side_stream_no_sync)
     c.run("out-of-range assignments fail a device assertion", device_assert_on_bad_assignments)
-    failed = [r["check"] for r in c.results if r["status"] != "passed"]
-    output.write_text(json.dumps({"failed": failed, "results": c.results}, indent=1))
-    print(f"{len(c.results) - len(failed)} of {len(c.results)} checks passed; wrote {output}")
+    failed = [r["check"] for r in c.results if r["status"] not in ("passed", STUB)]
+    stubs = [r["check"] for r in c.results if r["status"] == STUB]
+    output.write_text(
+        json.dumps({"device": DEVICE, "failed": failed, "stubs": stubs, "results": c.results}, indent=1)
+    )
+    passed = len(c.results) - len(failed) - len(stubs)
+    print(f"{passed} of {len(c.results)} checks passed, {len(stubs)} stubs (GPU only); wrote {output}")
     return 1 if failed else 0
 
 
@@ -316,20 +399,32 @@ def quick() -> int:
     for n, dk, dv, rows in ((1, 8, 8, 1), (37, 40, 24, 2), (300, 64, 64, 2)):
         q, k, v, valid = (t.to(DEVICE) for t in _inputs(rows, 2, n, dk, dv, seed=n))
         for mode in ("i-clustered", "clustered"):
-            clustered_attention(
-                q, k, v, valid, ClusteredAttentionConfig(clusters=5, topk=8, mode=mode, backend="cuda")
-            )
-        windowed_attention(q, k, v, valid, 7, ClusteredAttentionConfig(backend="cuda"))
-    torch.cuda.synchronize()
+            clustered_attention(q, k, v, valid, kernel_config(clusters=5, topk=8, mode=mode))
+        windowed_attention(q, k, v, valid, 7, kernel_config())
+    hashes = torch.randint(0, 2**40, (1, 1, 400), device=DEVICE)
+    dispatch.BACKENDS[BACKEND].hamming_kmeans(
+        hashes, torch.ones(1, 400, dtype=torch.bool, device=DEVICE), 200, 2, 40
+    )
+    _sync()
     print("quick: done")
     return 0
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _event_time(fn, repeats: int) -> float:
-    """Median milliseconds of fn over `repeats` runs (CUDA events), after one warm-up."""
+    """Median milliseconds of fn over `repeats` runs (CUDA events; a wall clock on the stand-in)."""
     fn()
     times = []
     for _ in range(repeats):
+        if DEVICE != "cuda":
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -339,15 +434,25 @@ def _event_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _bf16_inputs(batch: int, n: int, heads: int, dim: int):
+    generator = torch.Generator(device=DEVICE).manual_seed(n)
+    return tuple(
+        torch.randn(batch, heads, n, dim, device=DEVICE, dtype=torch.bfloat16, generator=generator)
+        for _ in range(3)
+    )
+
+
 def bench_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64) -> dict:
-    """One (batch, N): SDPA (flash, bf16), i-clustered end to end, and each op, in CUDA-event milliseconds."""
+    """One (batch, N): SDPA (flash, bf16), i-clustered (C 25, k 32 at every length) end to end, each op."""
     from bert_cluster import ops
 
-    q, k, v = (torch.randn(batch, heads, n, dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = _bf16_inputs(batch, n, heads, dim)
     valid = torch.ones(batch, n, dtype=torch.bool, device=DEVICE)
-    config = ClusteredAttentionConfig(backend="cuda", min_length=0)
-    flash = torch.nn.attention.SDPBackend.FLASH_ATTENTION
-    with torch.nn.attention.sdpa_kernel(flash):
+    config = kernel_config()
+    if DEVICE == "cuda":
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            sdpa = _event_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
+    else:
         sdpa = _event_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats)
     total = _event_time(lambda: clustered_attention(q, k, v, valid, config), repeats)
     planes, offsets = hash_planes(0, 0, 63, dim, DEVICE)
@@ -367,6 +472,7 @@ def bench_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64)
     return {
         "batch": batch,
         "n": n,
+        "mode": "i-clustered (C 25, k 32, no growth)",
         "sdpa_flash_bf16_ms": sdpa,
         "i_clustered_ms": total,
         "speedup_vs_sdpa": sdpa / total,
@@ -374,44 +480,88 @@ def bench_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64)
     }
 
 
-def bench(output: Path, lengths: list[int], batches: list[int], repeats: int) -> int:
-    rows = []
-    for batch in batches:
-        for n in lengths:
-            try:
-                row = bench_case(batch, n, repeats)
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory: record and go on
-                row = {"batch": batch, "n": n, "error": f"{type(error).__name__}: {error}"}
-            torch.cuda.empty_cache()
-            rows.append(row)
-            brief = {key: round(val, 3) if isinstance(val, float) else val for key, val in row.items()}
-            brief.pop("ops_ms", None)
-            print(json.dumps(brief), flush=True)
-    memory = mixed_batch_memory()
+def plus_case(batch: int, n: int, repeats: int, heads: int = 12, dim: int = 64) -> dict:
+    """convert's default (i-clustered+ with growth), timed apart: C and k grow with the length, and its
+    Lloyd refinement runs PyTorch steps, one of which gathers an (R, H, N, k, D) fp32 tensor."""
+    config = ClusteredAttentionConfig(backend=BACKEND, min_length=0)
+    clusters, topk = config.row_settings(n)
+    gather = batch * heads * n * topk * dim * 4
+    row = {
+        "batch": batch,
+        "n": n,
+        "mode": f"i-clustered+ (convert default: C {clusters}, k {topk} at this N)",
+    }
+    row["gather_gb"] = round(gather / 1e9, 1)
+    if gather > GATHER_LIMIT_BYTES:
+        row["skipped"] = f"the (R, H, N, k, D) gather would take {gather / 1e9:.1f} GB"
+        return row
+    q, k, v = _bf16_inputs(batch, n, heads, dim)
+    valid = torch.ones(batch, n, dtype=torch.bool, device=DEVICE)
+    timed = lambda: clustered_attention(q, k, v, valid, config)  # noqa: E731
+    row["i_clustered_plus_ms"] = _event_time(timed, min(repeats, 2))
+    return row
+
+
+def bench(output: Path, lengths: list[int], batches: list[int], repeats: int, plus: list[int]) -> int:
+    """Every row is written out as soon as it is measured: a stage cut short keeps what it measured."""
     result = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else f"{DEVICE} (stand-in)",
         "torch": str(torch.__version__),
         "shape": {"heads": 12, "head_dim": 64, "dtype": "bfloat16"},
-        "settings": {"clusters": 25, "topk": 32, "bits": 63, "iterations": 10},
-        "timing": f"median of {repeats} CUDA-event timings after one warm-up",
-        "rows": rows,
-        "mixed_batch_memory": memory,
+        "settings": {
+            "clusters": 25,
+            "topk": 32,
+            "bits": 63,
+            "iterations": 10,
+            "mode": "i-clustered",
+            "growth": 0,
+        },
+        "timing": f"median of {repeats} {'CUDA-event' if DEVICE == 'cuda' else 'wall-clock'} timings "
+        "after one warm-up",
+        "rows": [],
+        "i_clustered_plus": [],
     }
+
+    def measured(key: str, fn, batch: int, n: int) -> None:
+        try:
+            row = fn(batch, n, repeats)
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: record and go on
+            row = {"batch": batch, "n": n, "error": f"{type(error).__name__}: {error}"[:500]}
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        result[key].append(row)
+        output.write_text(json.dumps(result, indent=1))
+        brief = {name: round(val, 3) if isinstance(val, float) else val for name, val in row.items()}
+        brief.pop("ops_ms", None)
+        print(json.dumps(brief), flush=True)
+
+    for batch in batches:
+        for n in lengths:
+            measured("rows", bench_case, batch, n)
+    for batch in plus:
+        for n in lengths:
+            measured("i_clustered_plus", plus_case, batch, n)
+    result["mixed_batch_memory"] = mixed_batch_memory(max(lengths) // 2 or 1, max(batches))
     output.write_text(json.dumps(result, indent=1))
-    print(json.dumps(memory), flush=True)
+    print(json.dumps(result["mixed_batch_memory"]), flush=True)
     print(f"wrote {output}")
-    return 0
+    errors = [row for row in result["rows"] if "error" in row]
+    return 1 if errors else 0
 
 
 def mixed_batch_memory(n: int = 16384, batch: int = 16) -> dict:
     """Peak memory added by one call on padded rows of mixed lengths up to n: i-clustered vs SDPA (mask)."""
     heads, dim, dtype = 12, 64, torch.bfloat16
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.randint(n // 8, n + 1, (batch,), generator=generator)
+    lengths = torch.randint(max(n // 8, 1), n + 1, (batch,), generator=generator)
     lengths[0] = n
     valid = (torch.arange(n)[None, :] < lengths[:, None]).to(DEVICE)
     q, k, v = (torch.randn(batch, heads, n, dim, device=DEVICE, dtype=dtype) for _ in range(3))
-    out = {"n": n, "batch": batch, "lengths": lengths.tolist()}
+    out = {"n": n, "batch": batch, "mode": "i-clustered (no growth)", "lengths": lengths.tolist()}
+    if DEVICE != "cuda":
+        clustered_attention(q, k, v, valid, kernel_config())
+        out["status"] = STUB
+        return out
 
     def peak(fn) -> float:
         torch.cuda.synchronize()
@@ -422,11 +572,7 @@ def mixed_batch_memory(n: int = 16384, batch: int = 16) -> dict:
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
     try:
-        out["i_clustered_peak_mib"] = peak(
-            lambda: clustered_attention(
-                q, k, v, valid, ClusteredAttentionConfig(backend="cuda", min_length=0)
-            )
-        )
+        out["i_clustered_peak_mib"] = peak(lambda: clustered_attention(q, k, v, valid, kernel_config()))
     except Exception as error:  # noqa: BLE001
         out["i_clustered_error"] = f"{type(error).__name__}: {error}"
     try:
@@ -439,24 +585,90 @@ def mixed_batch_memory(n: int = 16384, batch: int = 16) -> dict:
     return out
 
 
+def run_pytest(output: Path, args: list[str]) -> int:
+    """pytest with ``-rs``, its counts written to ``output``; a failure when any test was skipped or none
+    passed (``pytest -m cuda`` on a machine whose kernels lack CUDA skips everything and exits 0)."""
+    import xml.etree.ElementTree as ElementTree
+
+    report = output.with_suffix(".xml")
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        *args,
+        f"--junitxml={report}",
+    ]
+    returncode = subprocess.run(command, cwd=ROOT).returncode
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if report.is_file():
+        for suite in ElementTree.parse(report).getroot().iter("testsuite"):
+            for key in counts:
+                counts[key] += int(suite.get(key, 0))
+        report.unlink()
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    problems = []
+    if returncode not in (0, 5):
+        problems.append(f"pytest exited {returncode}")
+    if counts["skipped"]:
+        problems.append(
+            f"{counts['skipped']} skipped (see the -rs reasons above): a skip here hides a GPU check"
+        )
+    if counts["passed"] == 0:
+        problems.append("no test passed")
+    summary = {"returncode": returncode, **counts, "problems": problems, "args": args}
+    output.write_text(json.dumps(summary, indent=1))
+    print(
+        f"gpu_checks pytest: {counts['passed']} passed, {counts['skipped']} skipped, "
+        f"{counts['failures'] + counts['errors']} failed"
+        + ("; FAILED: " + "; ".join(problems) if problems else "")
+    )
+    return 1 if problems else 0
+
+
 def main() -> int:
+    global DEVICE, BACKEND, SHRINK
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("what", choices=["checks", "quick", "bench"])
+    parser.add_argument("what", choices=["checks", "quick", "bench", "pytest"])
     parser.add_argument("--output", type=Path, default=Path("gpu_checks.json"))
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: the CPU kernels stand in for CUDA, on smaller shapes (a dry run)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--plus-batches",
+        type=int,
+        nargs="*",
+        default=[1, 16],
+        help="batches at which i-clustered+ (convert's default) is timed, apart",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_checks: no CUDA GPU visible")
+    args, rest = parser.parse_known_args()
+    if args.what == "pytest":
+        return run_pytest(args.output, [arg for arg in rest if arg != "--"])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    DEVICE = BACKEND = args.device
+    if args.device == "cpu":
+        SHRINK = 4
+    elif not torch.cuda.is_available():
+        print("gpu_checks: no CUDA GPU visible (--device cpu runs the CPU stand-in)")
         return 1
     if args.what == "checks":
         return checks(args.output)
     if args.what == "quick":
         return quick()
-    return bench(args.output, args.lengths, args.batches, args.repeats)
+    return bench(args.output, args.lengths, args.batches, args.repeats, args.plus_batches)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -17,12 +18,19 @@ def fresh_loader(monkeypatch):
     monkeypatch.setattr(_loader, "_warned", False)
     monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
     monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
+    monkeypatch.setenv("BERT_CLUSTER_CPU_JIT", "0")  # a fake stale build must not compile for minutes
     return _loader
 
 
 def _fail_import(monkeypatch, error: Exception) -> None:
+    """Importing ``bert_cluster._C`` raises ``error``; every other import works (under a CUDA torch,
+    ``describe()`` asks torch's extension builder for nvcc, which imports setuptools through importlib)."""
+    real = importlib.import_module
+
     def import_module(name, *args, **kwargs):
-        raise error
+        if name == "bert_cluster._C":
+            raise error
+        return real(name, *args, **kwargs)
 
     monkeypatch.setattr(_loader.importlib, "import_module", import_module)
 
@@ -193,3 +201,23 @@ def test_cuda_declares_its_head_dim_limit() -> None:
         "above 512" in r for r in dispatch.CudaKernelBackend.not_supported_reasons(torch.zeros(1, 1, 2, 512))
     )
     assert not any("above 512" in r for r in dispatch.CpuKernelBackend.not_supported_reasons(big))
+
+
+def test_stale_build_builds_the_cpu_kernels_on_first_use(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("BERT_CLUSTER_CPU_JIT", "1")
+    monkeypatch.setattr(_loader, "_cpu_library", [])
+    _fail_import(monkeypatch, ImportError("/x/_C.abi3.so: undefined symbol: _ZN3c104impl8GPUTrace"))
+    built = {"ok": True, "reason": "", "path": "/cache/cpu-kernels/lib.so", "label": "x86_64_v3"}
+    state = _loader.load(first_use=lambda: built)
+    assert state["loaded"] and state["built_on_first_use"] and state["reason"] == ""
+    assert state["cpu_library"] == built["path"] and state["torch_version"] == str(torch.__version__)
+
+
+def test_failed_first_use_cpu_build_is_part_of_the_reason(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("BERT_CLUSTER_CPU_JIT", "1")
+    monkeypatch.setattr(_loader, "_cpu_library", [])
+    _fail_import(monkeypatch, ImportError("/x/_C.abi3.so: undefined symbol: _ZN3c104impl8GPUTrace"))
+    failed = {"ok": False, "reason": "the first-use CPU build failed (no compiler)", "path": None}
+    with pytest.warns(RuntimeWarning, match="built for another torch.*the first-use CPU build failed"):
+        state = _loader.load(first_use=lambda: failed)
+    assert not state["loaded"]

@@ -93,19 +93,28 @@ def venv(built, tmp_path_factory) -> Path:
     """A fresh venv outside the checkout with the wheel (and its demo extra) installed by pip."""
     root = tmp_path_factory.mktemp("wheel-venv") / "venv"
     _run([sys.executable, "-m", "venv", str(root)], root.parent, _clean_env(), 300)
-    torch_pin = _torch_requirement(built["wheel"])
-    # torch pinned in the same command: nothing may pull another (multi-GB CUDA) torch.
+    import torch
+
+    # The wheel requires a torch range: this torch (the build's) pinned in the same command, so that
+    # nothing pulls another (multi-GB CUDA) torch and the wheel's prebuilt kernels are the ones that load.
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
     pip = [str(root / "bin" / "python"), "-m", "pip", "install", "-q"]
     _run([*pip, torch_pin, f"{built['wheel']}[demo]"], root.parent, _clean_env(), 1800)
     return root
 
 
 def _torch_requirement(wheel: Path) -> str:
+    """The wheel's torch requirement, e.g. ``torch<2.15,>=2.11``."""
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(f"bert_cluster-{_version()}.dist-info/METADATA").decode()
-    pins = re.findall(r"^Requires-Dist: (torch==[^\s;]+)$", metadata, re.M)
-    assert pins, "the wheel must require exactly the torch its kernels were built against"
-    return pins[0]
+    found = re.findall(r"^Requires-Dist: (torch[<>=!~,.\d]+)$", metadata, re.M)
+    assert len(found) == 1, "the wheel must require one torch range"
+    return found[0]
+
+
+def _torch_range() -> str:
+    """pyproject.toml's torch range (``>=2.11,<2.15``)."""
+    return re.search(r'^\s*"torch(>=[\d.]+,<[\d.]+)",', (REPO / "pyproject.toml").read_text(), re.M).group(1)
 
 
 def test_wheel_is_abi3_and_carries_kernels_configs_and_data(built):
@@ -123,8 +132,15 @@ def test_wheel_is_abi3_and_carries_kernels_configs_and_data(built):
     # The CUDA sources, for the first-use build on a GPU machine (bert_cluster._cuda_jit).
     cuda = {f"bert_cluster/kernels/cuda/{p.name}" for p in (REPO / "kernels" / "cuda").iterdir()}
     assert cuda | {"bert_cluster/kernels/checks.h"} <= names, sorted(cuda - names)
-    # The kernels link against this torch's libtorch: the wheel requires that version exactly.
-    assert _torch_requirement(wheel) == f"torch=={torch.__version__.split('+')[0]}"
+    # A range that holds the torch the kernels link against (other releases build them on first use).
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    required = Requirement(_torch_requirement(wheel)).specifier
+    assert required == SpecifierSet(_torch_range())
+    assert torch.__version__.split("+")[0] in required
+    cpu = {f"bert_cluster/kernels/cpu/{p.name}" for p in (REPO / "kernels" / "cpu").iterdir()}
+    assert cpu <= names, sorted(cpu - names)  # the CPU sources, for the first-use CPU build
     # The sdist carries the kernel headers setuptools would leave out (the wheel above was built from it).
     with tarfile.open(built["sdist"]) as archive:
         inside = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
@@ -168,3 +184,64 @@ def test_installed_wheel_runs_a_tiny_evaluation_on_the_compiled_kernels(venv, tm
     # The backend each run actually used: the compiled CPU kernels, not the reference.
     assert clustered and all(run["backend"] == "cpu" for run in clustered), [r["backend"] for r in clustered]
     assert all(-100 <= score <= 100 for run in task["runs"] for score in run["scores"].values())
+
+
+def _site_packages(venv: Path) -> Path:
+    return next((venv / "lib").glob("python3*/site-packages"))
+
+
+def test_wheel_beside_torch_2_14_keeps_it_and_builds_its_cpu_kernels_on_first_use(built, tmp_path):
+    """A user's venv that already has torch 2.14.1 (here .venv-cuda's, made by scripts/check_cuda_build.sh,
+    through a .pth file): installing the wheel keeps that torch (its range admits it), and the CPU kernels,
+    prebuilt for 2.13, build on first use into the cache, once, for two processes started together."""
+    cuda_venv = REPO / ".venv-cuda"
+    probe = [str(cuda_venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"]
+    try:
+        version = subprocess.run(probe, capture_output=True, text=True, timeout=120).stdout.strip()
+    except OSError:
+        version = ""
+    if not version.startswith("2.14."):
+        pytest.skip("needs .venv-cuda with torch 2.14 (bash scripts/check_cuda_build.sh makes it)")
+    root = tmp_path / "venv"
+    _run([str(cuda_venv / "bin" / "python"), "-m", "venv", str(root)], tmp_path, _clean_env(), 300)
+    (_site_packages(root) / "user_torch.pth").write_text(str(_site_packages(cuda_venv)) + "\n")
+    python = str(root / "bin" / "python")
+    # Its dependencies are the user's (not fetched here): torch must satisfy the wheel's own range.
+    _run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", str(built["wheel"])], tmp_path, _clean_env(), 600
+    )
+    check = (
+        "import importlib.metadata as m, torch; from packaging.requirements import Requirement\n"
+        "req = next(Requirement(r) for r in m.requires('bert-cluster') if r.startswith('torch'))\n"
+        "print(torch.__version__, torch.__version__.split('+')[0] in req.specifier)"
+    )
+    assert _run([python, "-c", check], tmp_path, _clean_env(), 120).stdout.split() == [version, "True"]
+    cache = tmp_path / "cache"
+    run = (
+        "import json, torch; from bert_cluster import dispatch, ops, reference as ref\n"
+        "s = ops.load_kernels()\n"
+        "q = torch.randn(1, 2, 50, 16); planes = torch.randn(20, 16); offsets = torch.randn(20)\n"
+        "same = torch.equal(dispatch.BACKENDS['cpu'].hash_queries(q, planes, offsets), "
+        "ref.hash_queries(q, planes, offsets))\n"
+        "print(json.dumps({'loaded': s['loaded'], 'reason': s['reason'], "
+        "'first_use': s.get('built_on_first_use'), 'library': s.get('cpu_library'), "
+        "'torch': torch.__version__, 'same': same}))"
+    )
+    env = _clean_env(BERT_CLUSTER_CACHE_DIR=str(cache))
+    procs = [
+        subprocess.Popen(
+            [python, "-c", run], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=2400)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    for facts in results:
+        assert facts["loaded"] and facts["first_use"], facts["reason"]
+        assert facts["torch"] == version and facts["same"]
+        assert Path(facts["library"]).resolve().is_relative_to(cache.resolve()), facts["library"]
+    assert results[0]["library"] == results[1]["library"]
+    assert len(list((cache / "cpu-kernels").glob("*/*.so"))) == 1  # built once

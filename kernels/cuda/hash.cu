@@ -17,6 +17,24 @@ namespace bert_cluster {
 namespace {
 
 constexpr int kThreads = 256;
+// Shared memory a block may take without opting in (every GPU since sm_20): the kernel's whole footprint,
+// which is all dynamic (kmeans_kernel declares no __shared__ variable), must fit in it.
+constexpr size_t kSharedLimit = 48 * 1024;
+// Dynamic shared memory of kmeans_kernel: two flags (8 B, keeping the centroids 8-byte aligned), then per
+// cluster its centroid (8 B) and presence (4 B), the scan (4 B per thread), and, when they fit, the counts
+// (65 x 4 B per cluster; else in global scratch).
+constexpr size_t kKmeansFlagBytes = 2 * sizeof(int32_t);
+constexpr size_t kmeans_fixed_bytes(int64_t clusters) {
+  return kKmeansFlagBytes + static_cast<size_t>(clusters) * 12 + kThreads * sizeof(int32_t);
+}
+constexpr size_t kmeans_count_bytes(int64_t clusters) { return static_cast<size_t>(clusters) * 65 * sizeof(int32_t); }
+// The most clusters the kernel launches with (4010); C = 177 is the first whose counts go to global memory.
+constexpr int64_t kKmeansMaxClusters = (kSharedLimit - kmeans_fixed_bytes(0)) / 12;
+static_assert(kmeans_fixed_bytes(kKmeansMaxClusters) <= kSharedLimit, "kKmeansMaxClusters must launch");
+static_assert(kmeans_fixed_bytes(kKmeansMaxClusters + 1) > kSharedLimit, "kKmeansMaxClusters is the largest");
+static_assert(kmeans_fixed_bytes(176) + kmeans_count_bytes(176) <= kSharedLimit &&
+                  kmeans_fixed_bytes(177) + kmeans_count_bytes(177) > kSharedLimit,
+              "C >= 177 keeps the counts in global memory (gpu_checks.py checks C = 200)");
 
 __global__ void pack_bits_kernel(const float* __restrict__ proj, const float* __restrict__ offsets, int64_t count,
                                  int64_t bits, int64_t* __restrict__ out) {
@@ -56,8 +74,8 @@ __device__ __forceinline__ unsigned long long table_slot(unsigned long long h, i
   return (h * 0x9E3779B97F4A7C15ULL) >> shift;
 }
 
-// Shared memory per (row, head): centroid hashes, presence, member counts, per-bit counts of ones (C x 64),
-// a flag and the scan of the compaction. `ones` and `members` may live in global scratch instead when C is
+// Shared memory per (row, head), all of it dynamic (kmeans_fixed_bytes): two flags, centroid hashes,
+// presence, the scan of the compaction, then member counts and per-bit counts of ones (C x 64). `ones` and `members` may live in global scratch instead when C is
 // too large for shared memory (global atomics then; the counts are integers either way).
 __global__ void kmeans_kernel(const int64_t* __restrict__ hashes, const bool* __restrict__ valid, int64_t heads,
                               int64_t n, int64_t clusters, int64_t iterations, int64_t bits, int table_shift,
@@ -77,7 +95,8 @@ __global__ void kmeans_kernel(const int64_t* __restrict__ hashes, const bool* __
   int32_t* flag = flag_scratch + rh * n;
   int32_t* position = position_scratch + rh * n;
   int64_t* assign = assign_out + rh * n;
-  unsigned long long* cent = kmeans_smem;
+  int32_t* flags_smem = reinterpret_cast<int32_t*>(kmeans_smem);  // distinct count, changed
+  unsigned long long* cent = kmeans_smem + 1;
   int32_t* present = reinterpret_cast<int32_t*>(cent + clusters);
   int32_t* chunk_start = present + clusters;  // blockDim.x entries
   int32_t* small = chunk_start + blockDim.x;    // members (C) then ones (C x 64), unless global_counts
@@ -85,8 +104,8 @@ __global__ void kmeans_kernel(const int64_t* __restrict__ hashes, const bool* __
   int32_t* ones = members + clusters;
   const unsigned long long mask = (1ULL << bits) - 1ULL;
   const int tid = threadIdx.x, lane = tid % cuda::kWarp;
-  __shared__ int32_t distinct_shared;
-  __shared__ int32_t changed;
+  int32_t& distinct_shared = flags_smem[0];
+  int32_t& changed = flags_smem[1];
 
   // 1. Initial centroids: the distinct hashes of the valid queries in order of first occurrence, in O(N):
   //    insert every hash into an open-addressing table keeping the lowest index that carries it ...
@@ -219,13 +238,18 @@ std::tuple<at::Tensor, at::Tensor> hamming_kmeans_cuda(const at::Tensor& hashes,
   at::Tensor table_keys = at::empty({rh, capacity}, h.options());
   at::Tensor table_first = at::empty({rh, capacity}, i32);
   at::Tensor slots = at::empty({rh, nn}, i32), flags = at::empty({rh, nn}, i32), positions = at::empty({rh, nn}, i32);
-  // Shared memory: centroids (8 B) and presence (4 B) per cluster, the scan, and the counts (65 x 4 B per
-  // cluster) when they fit in 48 KiB; otherwise the counts go to global scratch.
-  const size_t fixed = static_cast<size_t>(clusters) * 12 + kThreads * 4;
-  const size_t counts = static_cast<size_t>(clusters) * 65 * 4;
-  const bool counts_in_smem = fixed + counts <= 48 * 1024;
-  TORCH_CHECK_VALUE(fixed <= 48 * 1024, "the CUDA hamming_kmeans supports up to ", (48 * 1024 - kThreads * 4) / 12,
-                    " clusters, got ", clusters);
+  const size_t fixed = kmeans_fixed_bytes(clusters);
+  const size_t counts = kmeans_count_bytes(clusters);
+  const bool counts_in_smem = fixed + counts <= kSharedLimit;
+  TORCH_CHECK_VALUE(clusters <= kKmeansMaxClusters, "the CUDA hamming_kmeans supports up to ", kKmeansMaxClusters,
+                    " clusters (", kSharedLimit, " B of shared memory), got ", clusters);
+  // The launch fails when static and dynamic shared memory exceed the limit: the kernel must declare none.
+  static const size_t static_bytes = [] {
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kmeans_kernel));
+    return attributes.sharedSizeBytes;
+  }();
+  TORCH_CHECK(static_bytes == 0, "kmeans_kernel declares ", static_bytes, " B of static shared memory");
   at::Tensor global_counts = counts_in_smem ? at::Tensor() : at::empty({rh, clusters * 65}, i32);
   kmeans_kernel<<<static_cast<unsigned int>(rh), kThreads, fixed + (counts_in_smem ? counts : 0),
                   at::cuda::getCurrentCUDAStream()>>>(

@@ -329,6 +329,39 @@ def test_kmeans_matches_the_reference_after_any_rounds(backend: str, device: str
         _equal(got_centroids, centroid_hashes, f"centroids after {rounds} rounds")
 
 
+@pytest.mark.parametrize("backend,device", _kernel_backends())
+def test_kmeans_with_counts_in_global_memory_matches_the_reference(backend: str, device: str) -> None:
+    """From C = 177 the CUDA K-means keeps its member and bit counts in global memory (they no longer fit
+    in shared memory beside the centroids): C = 200, with more distinct hashes than clusters, must give the
+    reference's assignments and centroids. On the CPU kernels the same case is the stand-in."""
+    _require(backend)
+    generator = torch.Generator().manual_seed(200)
+    hashes = torch.randint(0, 2**40, (1, 2, 3000), generator=generator)
+    valid = torch.ones(1, 3000, dtype=torch.bool)
+    valid[0, 2600:] = False
+    for rounds in (0, 3):
+        assignments, centroid_hashes = ref.hamming_kmeans(hashes, valid, 200, rounds, 40)
+        got = dispatch.BACKENDS[backend].hamming_kmeans(hashes.to(device), valid.to(device), 200, rounds, 40)
+        _equal(got[0], assignments, f"assignments after {rounds} rounds at C = 200")
+        _equal(got[1], centroid_hashes, f"centroids after {rounds} rounds at C = 200")
+
+
+@pytest.mark.cuda
+def test_cuda_kmeans_launches_at_the_largest_admitted_cluster_count() -> None:
+    """C = 4010 is the most the CUDA K-means admits (48 KiB of shared memory): it must launch and match the
+    reference; C = 4011 is refused with the limit named."""
+    _require("cuda")
+    generator = torch.Generator().manual_seed(4010)
+    hashes = torch.randint(0, 2**40, (1, 1, 5000), generator=generator)
+    valid = torch.ones(1, 5000, dtype=torch.bool)
+    expected = ref.hamming_kmeans(hashes, valid, 4010, 1, 40)
+    got = dispatch.BACKENDS["cuda"].hamming_kmeans(hashes.cuda(), valid.cuda(), 4010, 1, 40)
+    _equal(got[0], expected[0], "assignments at C = 4010")
+    _equal(got[1], expected[1], "centroids at C = 4010")
+    with pytest.raises(ValueError, match="supports up to 4010 clusters"):
+        dispatch.BACKENDS["cuda"].hamming_kmeans(hashes.cuda(), valid.cuda(), 4011, 1, 40)
+
+
 def _small_args(device: str):
     case = Case(9, 3, 4, 8, 8, "fp32", True)
     q, k, v, valid, planes, offsets = (t.to(device) for t in make_inputs(case, seed=3))
