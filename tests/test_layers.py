@@ -25,6 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_loader",
         "_cuda_sources",
         "_cuda_jit",
+        "_cpu_jit",
         "ops",
         "dispatch",
         "crossover",
