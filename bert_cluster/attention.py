@@ -392,7 +392,9 @@ def _clustered(backend, query, key, value, valid, config, clusters, topk, scalin
     """
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
     fused = getattr(backend, "clustered_heads", None)
-    if fused is not None:
+    # The fused op has no backward: a pass that records gradients composes the steps, each of which has one.
+    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if fused is not None and not records:
         rounds = plus_lloyd_rounds(clusters) if config.mode == "i-clustered+" else 0
         settings = (clusters, topk, config.iterations, config.mode, rounds, scaling)
         return fused(query, key, value, valid, planes, offsets, *settings)

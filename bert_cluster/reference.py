@@ -193,32 +193,66 @@ def centroid_attention(
         ``topk_values`` float32 ``(R, H, C, Dv)``: the top-k part of ``Ac V``, which refinement replaces.
     """
     check_head_dims(centroids, keys)
-    key_valid = valid[:, None, None, :]
-    scores = torch.matmul(centroids, keys.float().transpose(-1, -2)) * scaling
-    weights = _masked_softmax(scores, key_valid)
-    clean_values = _zero_padding(values, valid)
-    centroid_values = torch.matmul(weights, clean_values)
+    scores = _centroid_scores(centroids, keys, scaling)
     k = min(topk, keys.shape[-2])
     if k == 0:
-        empty = centroid_values.new_zeros(centroid_values.shape[:-1])
-        indices = torch.empty(*centroid_values.shape[:-1], 0, dtype=torch.int64, device=keys.device)
-        return centroid_values, indices, empty, torch.zeros_like(centroid_values)
-    # Rank valid keys by score (not weight: distinct scores can round to equal weights), descending, ties
-    # to the lowest key index (stable sorts); then move padded keys behind every valid key (a second stable
-    # sort), so that the first min(k, valid keys) slots are exactly the valid keys ranked.
-    order = torch.sort(
-        scores.masked_fill(~key_valid, -math.inf), dim=-1, descending=True, stable=True
-    ).indices
-    padded_last = torch.sort(
-        (~valid)[:, None, None, :].expand_as(order).gather(-1, order).byte(), stable=True
-    )
-    indices = order.gather(-1, padded_last.indices)[..., :k]
-    picked = torch.arange(k, device=keys.device) < valid.sum(-1)[:, None, None, None]
-    top_weights = torch.where(picked, weights.gather(-1, indices), 0.0)
-    indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
+        indices = torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=keys.device)
+    else:
+        # Rank valid keys by score (not weight: distinct scores can round to equal weights), descending,
+        # ties to the lowest key index (stable sorts); then move padded keys behind every valid key (a
+        # second stable sort), so that the first min(k, valid keys) slots are exactly the valid keys ranked.
+        key_valid = valid[:, None, None, :]
+        order = torch.sort(
+            scores.detach().masked_fill(~key_valid, -math.inf), dim=-1, descending=True, stable=True
+        ).indices
+        padded_last = torch.sort(
+            (~valid)[:, None, None, :].expand_as(order).gather(-1, order).byte(), stable=True
+        )
+        indices = order.gather(-1, padded_last.indices)[..., :k]
+        picked = torch.arange(k, device=keys.device) < valid.sum(-1)[:, None, None, None]
+        indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
+    centroid_values, topk_mass, topk_values = _attend_centroids(scores, values, valid, indices)
+    return centroid_values, indices, topk_mass, topk_values
+
+
+def centroid_attention_with_topk(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``centroid_attention``'s float outputs ``(Vc, topk_mass, topk_values)`` for a given top-k choice.
+
+    The top-k choice is discrete and carries no gradient; given it, the outputs are smooth functions of
+    the centroids, keys and values. The ops' backward differentiates this, with the indices the forward
+    chose (a kernel may rank two near-tied keys the other way round than the reference would).
+    """
+    check_head_dims(centroids, keys)
+    return _attend_centroids(_centroid_scores(centroids, keys, scaling), values, valid, topk_indices)
+
+
+def _centroid_scores(centroids: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    return torch.matmul(centroids.float(), keys.float().transpose(-1, -2)) * scaling
+
+
+def _attend_centroids(scores, values, valid, indices):
+    """``Ac V``, the weight ``m_j`` on the top-k slots ``indices`` (-1: none) and their part of ``Ac V``."""
+    weights = _masked_softmax(scores, valid[:, None, None, :])
+    clean_values = _zero_padding(values, valid)
+    centroid_values = torch.matmul(weights, clean_values)
+    if indices.shape[-1] == 0:
+        return (
+            centroid_values,
+            centroid_values.new_zeros(centroid_values.shape[:-1]),
+            torch.zeros_like(centroid_values),
+        )
+    picked = indices >= 0
+    top_weights = torch.where(picked, weights.gather(-1, indices.clamp(min=0)), 0.0)
     gathered = torch.where(picked[..., None], _gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
-    return centroid_values, indices, top_weights.sum(-1), topk_values
+    return centroid_values, top_weights.sum(-1), topk_values
 
 
 def _gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
