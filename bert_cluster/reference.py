@@ -6,7 +6,8 @@ the name, argument order and output shapes of the matching op in ``bert_cluster.
 
 Shapes (letters as in ``shared/docs/clustered-attention.md``): queries ``(R, H, N, Dk)``, keys
 ``(R, H, N, Dk)``, values ``(R, H, N, Dv)``, ``valid`` ``(R, N)`` bool (False marks padding), C clusters,
-B hash bits, k top keys. Softmax and accumulation run in float32; outputs come back in the input dtype.
+B hash bits, k top keys. Softmax and accumulation run in float32 (float64 for float64 inputs, which
+gradcheck uses); outputs come back in the input dtype.
 
 Rules fixed here that the paper leaves open:
 
@@ -65,7 +66,12 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
 
 def _zero_padding(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``(R, H, N, D)`` float32 with the padded positions of ``valid`` ``(R, N)`` set to exactly 0."""
-    return torch.where(valid[:, None, :, None], tensor.float(), 0.0)
+    return torch.where(valid[:, None, :, None], _wide(tensor), 0.0)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """The dtype the reference computes in: float32, or float64 for float64 inputs (gradcheck's)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
 def _popcount(x: torch.Tensor) -> torch.Tensor:
@@ -153,16 +159,16 @@ def group_queries(
     An empty cluster gets a zero centroid and count 0.
     """
     member = assignments >= 0
-    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).float()
-    one_hot = one_hot * member[..., None].float()
-    counts = one_hot.sum(-2)
+    x = _wide(queries)
+    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).to(x.dtype)
+    one_hot = one_hot * member[..., None].to(x.dtype)
+    counts = one_hot.sum(-2).float()
     # The sum as a product with the one-hot matrix would mix every query into every cluster with weight
     # 0, and 0 * nan is nan: so the product runs on finite entries only (padded queries zeroed too), and
     # the non-finite entries of each cluster's members are put back as IEEE addition would combine them.
-    x = queries.float()
     mine = member[..., None]
     sums = torch.einsum("rhnc,rhnd->rhcd", one_hot, torch.where(torch.isfinite(x) & mine, x, 0.0))
-    flags = torch.cat([x.isnan() & mine, (x == math.inf) & mine, (x == -math.inf) & mine], dim=-1).float()
+    flags = torch.cat([x.isnan() & mine, (x == math.inf) & mine, (x == -math.inf) & mine], dim=-1).to(x.dtype)
     has_nan, has_pos, has_neg = (torch.einsum("rhnc,rhnd->rhcd", one_hot, flags) > 0).chunk(3, dim=-1)
     sums = torch.where(has_pos, math.inf, torch.where(has_neg, -math.inf, sums))
     sums = torch.where(has_nan | (has_pos & has_neg), math.nan, sums)
@@ -234,7 +240,7 @@ def centroid_attention_with_topk(
 
 
 def _centroid_scores(centroids: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    return torch.matmul(centroids.float(), keys.float().transpose(-1, -2)) * scaling
+    return torch.matmul(_wide(centroids), _wide(keys).transpose(-1, -2)) * scaling
 
 
 def _attend_centroids(scores, values, valid, indices):
@@ -284,11 +290,11 @@ def topk_refine(
     cluster = assignments.clamp(min=0)
     indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
-    top_keys = _gather_rows(keys.float(), indices)  # (R, H, N, k, Dk)
-    scores = torch.einsum("rhnd,rhnkd->rhnk", queries.float(), top_keys) * scaling
+    top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
+    scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
     weights = _masked_softmax(scores, slot)
     mass = topk_mass.gather(2, cluster)
-    top_values = torch.where(slot[..., None], _gather_rows(values.float(), indices), 0.0)
+    top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
     base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
     return torch.where(member[..., None], base + exact, 0.0)
@@ -309,7 +315,7 @@ def exact_attention(
     their valid keys only). O(N^2) memory: not for long rows.
     """
     check_head_dims(queries, keys)
-    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
+    scores = torch.matmul(_wide(queries), _wide(keys).transpose(-1, -2)) * scaling
     weights = _masked_softmax(scores, valid[:, None, None, :])
     out = torch.matmul(weights, _zero_padding(values, valid))
     return torch.where(valid[:, None, :, None], out, 0.0)
@@ -345,13 +351,13 @@ def banded_attention(
         # window positions before, window + tail after: key block b starts at padded index b * block.
         return torch.nn.functional.pad(tensor, (0, 0, window, window + tail), value=0.0)
 
-    q = torch.nn.functional.pad(queries.float(), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
-    k = padded(keys.float()).unfold(2, span, block)  # (R, H, blocks, Dk, span)
+    q = torch.nn.functional.pad(_wide(queries), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
+    k = padded(_wide(keys)).unfold(2, span, block)  # (R, H, blocks, Dk, span)
     # Values enter a product with every query of the block, visible or not (weight 0): padded and
     # non-finite values are zeroed there (0 * nan is nan), and non-finite ones are put back below for the
     # queries that really see them.
     finite = torch.isfinite(values) & valid[:, None, :, None]
-    v = padded(torch.where(finite, values.float(), 0.0)).unfold(2, span, block)  # (R, H, blocks, Dv, span)
+    v = padded(torch.where(finite, _wide(values), 0.0)).unfold(2, span, block)  # (R, H, blocks, Dv, span)
     scores = torch.matmul(q, k) * scaling  # (R, H, blocks, block, span)
     query_pos = torch.arange(blocks * block, device=queries.device).reshape(blocks, block, 1)
     key_pos = (torch.arange(blocks, device=queries.device) * block)[:, None, None] - window
@@ -488,9 +494,9 @@ def refine_with_query_mass(
     """
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
-    key_rows = torch.where(valid[:, None, :, None], keys.float(), 0.0)  # padding masked, not multiplied by 0
+    key_rows = torch.where(valid[:, None, :, None], _wide(keys), 0.0)  # padding masked, not multiplied by 0
     top_keys = torch.where(
-        slots[..., None], _gather_rows(keys.float(), topk_indices), 0.0
+        slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0
     )  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
@@ -523,15 +529,15 @@ def refine_with_query_mass(
         return tensor.gather(2, index)
 
     indices = per_query(topk_indices)  # (R, H, N, k)
-    q = queries.float()
-    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(keys.float(), indices)) * scaling
+    q = _wide(queries)
+    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(_wide(keys), indices)) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     query_logz = scores.logsumexp(-1)
     query_rest = rest_logz(q, per_query(key_mean), per_query(key_var))
     odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
-    top_values = torch.where((indices >= 0)[..., None], _gather_rows(values.float(), indices), 0.0)
+    top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
     return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held
