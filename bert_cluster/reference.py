@@ -495,9 +495,7 @@ def refine_with_query_mass(
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
     key_rows = torch.where(valid[:, None, :, None], _wide(keys), 0.0)  # padding masked, not multiplied by 0
-    top_keys = torch.where(
-        slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0
-    )  # (R, H, C, k, Dk)
+    top_keys = torch.where(slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
