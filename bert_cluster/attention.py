@@ -376,7 +376,7 @@ def _clustered_attention_op(
     """``clustered_attention`` as one opaque op, which is what torch.compile sees.
 
     Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
-    Forward only: compiling a patched model is for inference; eager training uses the reference path.
+    Its backward (registered below) is another opaque op, so a compiled training step works too.
     """
     values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
     settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
@@ -390,6 +390,65 @@ def _(query, key, value, valid, *settings):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
+@torch.library.custom_op("bert_cluster::clustered_attention_backward", mutates_args=())
+def _clustered_attention_backward_op(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    clusters: int,
+    topk: int,
+    bits: int,
+    iterations: int,
+    mode: str,
+    min_length: str,
+    cluster_growth: float,
+    topk_growth: float,
+    seed: int,
+    backend: str,
+    scaling: float,
+    layer: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``_clustered_attention_op``: its forward again, eagerly, and the steps' backward.
+
+    Opaque to torch.compile as the forward is (the routing reads the mask on the host), so a compiled
+    training step recomputes the attention in its backward, as gradient checkpointing would.
+    """
+    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
+    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
+    if settings["min_length"] != AUTO:
+        settings["min_length"] = int(settings["min_length"])
+    config = ClusteredAttentionConfig(**settings)
+    from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
+
+    # The recomputed forward's steps record autograd, whose registered backwards then give the gradient.
+    with ops.autograd_inside_an_op():
+        leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+        out = _route(*leaves, valid, config, scaling, layer)
+        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True))
+
+
+@_clustered_attention_backward_op.register_fake
+def _(grad, query, key, value, valid, *settings):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _save_attention_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.settings = inputs[4:]
+
+
+def _attention_backward(ctx, grad):
+    query, key, value, valid = ctx.saved_tensors
+    grads = _clustered_attention_backward_op(grad, query, key, value, valid, *ctx.settings)
+    return (*grads, *([None] * (1 + len(ctx.settings))))
+
+
+_clustered_attention_op.register_autograd(_attention_backward, setup_context=_save_attention_inputs)
+
+
 # --- the paper's steps -------------------------------------------------------------------------------
 
 
@@ -401,7 +460,9 @@ def _clustered(backend, query, key, value, valid, config, clusters, topk, scalin
     """
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     fused = getattr(backend, "clustered_heads", None)
-    if fused is not None:
+    # The fused op has no backward: a pass that records gradients composes the steps, each of which has one.
+    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if fused is not None and not records:
         return fused(query, key, value, valid, planes, offsets, *settings)
     return _composed(backend, query, key, value, valid, planes, offsets, *settings)
 

@@ -74,17 +74,7 @@ def _kernel_step(step: str) -> Callable:
 
 
 class _KernelBackend(Backend):
-    """The compiled ops (``bert_cluster.ops``), forward only: they register no backward."""
-
-    @classmethod
-    def not_supported_reasons(cls, *inputs: torch.Tensor) -> list[str]:
-        """As ``Backend``, plus: inputs that require grad need the differentiable reference."""
-        reasons = super().not_supported_reasons(*inputs)
-        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
-            reasons.append(
-                "inputs require grad and the kernels have no backward (use the reference to train)"
-            )
-        return reasons
+    """The compiled ops (``bert_cluster.ops``); their backward is registered in ``ops`` (issue 38)."""
 
     #: The dispatch key whose kernels ``_C`` must register (``CPU`` or ``CUDA``).
     DISPATCH_KEY: ClassVar[str]

@@ -13,6 +13,8 @@ This module is imported lazily (by the kernel backends in ``bert_cluster.dispatc
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from bert_cluster import _loader, steps
@@ -215,6 +217,7 @@ OPS = tuple(SCHEMAS)
 PENDING_KERNELS: frozenset[str] = frozenset()
 #: The ops ``_C`` must register (per device) for a kernel backend to count as available.
 KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
+CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,4 +336,282 @@ def clustered_heads(
     )
 
 
-CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)
+# ---------------------------------------------------------------------------------------------------
+# Backward (issue 38): the gradient of each differentiable op is the gradient of its reference function
+# given the discrete choices its forward made (assignments, top-k indices), which carry none; steps.py says
+# how each op's is computed (``Step.backward``). The refinements have backward ops (CPU kernels); for the
+# other steps the backward recomputes the step's smooth part in PyTorch (O(N * (C + k)) per head, never
+# N x N) and differentiates it. Hashing and K-means have integer outputs only.
+
+
+def _vjp(function, arguments: list, wanted: list[int], grads: tuple) -> list:
+    """Gradients of ``function(*arguments)`` with respect to ``arguments[i]`` for i in ``wanted``.
+
+    ``function`` returns a tuple aligned with ``grads`` (None where an output is integer); a None
+    gradient (an integer output, or an output nobody used) is skipped.
+    """
+    with torch.enable_grad():
+        leaves = list(arguments)
+        for i in wanted:
+            leaves[i] = arguments[i].detach().requires_grad_(True)
+        outputs = function(*leaves)
+        used = [
+            (out, grad)
+            for out, grad in zip(outputs, grads, strict=True)
+            if grad is not None and out is not None and out.requires_grad
+        ]
+        found = torch.autograd.grad(
+            [out for out, _ in used],
+            [leaves[i] for i in wanted],
+            [grad for _, grad in used],
+            allow_unused=True,
+        )
+    return [
+        torch.zeros_like(arguments[i]) if grad is None else grad
+        for i, grad in zip(wanted, found, strict=True)
+    ]
+
+
+def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept_outputs=()) -> None:
+    """Register the gradient of ``recompute(*inputs, *kept_outputs)`` as ``op``'s backward.
+
+    ``recompute`` takes the op's inputs followed by the forward's outputs named in ``kept_outputs`` (the
+    discrete choices), and returns a tuple aligned with the op's outputs (None for integer ones).
+    ``differentiable`` are the indices of the op's float inputs that can receive a gradient.
+    """
+
+    def setup_context(ctx, inputs, output):
+        outputs = output if isinstance(output, tuple) else (output,)
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)] + [outputs[i] for i in kept_outputs]
+        ctx.save_for_backward(*tensors)
+        ctx.constants = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+
+    def backward(ctx, *grads):
+        tensors = iter(ctx.saved_tensors)
+        inputs = [next(tensors) if constant is None else constant for constant in ctx.constants]
+        arguments = inputs + list(tensors)
+        wanted = [i for i in differentiable if ctx.needs_input_grad[i]]
+        found = _vjp(
+            recompute,
+            arguments,
+            wanted,
+            tuple(g if g is not None and g.is_floating_point() else None for g in grads),
+        )
+        result: list = [None] * len(inputs)
+        for i, grad in zip(wanted, found, strict=True):
+            result[i] = grad
+        return tuple(result)
+
+    torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
+
+
+# The refinements' backward as ops: the CPU kernels (kernels/cpu/backward.cpp) where they are built, and
+# elsewhere (the CUDA tensors, a build without kernels) the gradient of the reference function, registered
+# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast).
+
+
+@torch.library.register_fake(f"{NAMESPACE}::topk_refine_backward")
+def _topk_refine_backward_fake(
+    grad_out, queries, keys, values, assignments, topk_indices, topk_mass, scaling
+):
+    rows, heads, clusters, _ = topk_indices.shape
+    centroid_grad = values.new_empty((rows, heads, clusters, values.shape[-1]))
+    return (
+        torch.empty_like(queries),
+        torch.empty_like(keys),
+        torch.empty_like(values),
+        centroid_grad,
+        topk_mass.new_empty(topk_mass.shape),
+        torch.empty_like(centroid_grad),
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_backward")
+def _refine_with_query_mass_backward_fake(
+    grad_out, queries, keys, values, valid, assignments, centroids, *rest
+):
+    centroid_values, _, topk_mass, topk_values, _ = rest
+    return tuple(
+        torch.empty_like(t)
+        for t in (queries, keys, values, centroids, centroid_values, topk_mass, topk_values)
+    )
+
+
+@contextlib.contextmanager
+def autograd_inside_an_op():
+    """Autograd recording inside an op's implementation, which the dispatcher runs below autograd.
+
+    A backward that differentiates the reference (or recomputes a forward) with autograd needs it: the
+    autograd dispatch keys are let back in, and grad mode is on.
+    """
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"):
+        excluded = excluded.remove(getattr(torch._C.DispatchKey, name))
+    included = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(included, excluded), torch.enable_grad():
+        yield
+
+
+# Where no backward kernel is registered (CUDA tensors, a build without kernels): the reference's gradient.
+def _register_reference_backwards() -> None:
+    def in_op(function):
+        def call(*args):
+            with autograd_inside_an_op():
+                return function(*args)
+
+        return call
+
+    for step in steps.STEPS:
+        if step.schema and step.name.endswith("_backward"):
+            torch.library.impl(
+                f"{NAMESPACE}::{step.name}",
+                "CompositeExplicitAutograd",
+                in_op(step.reference_function()),
+                lib=_LIB,
+            )
+
+
+_register_reference_backwards()
+
+
+def topk_refine_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.topk_refine_backward``: float32 gradients of q, k, v, Vc, mass and Vtop."""
+    _ensure_loaded()
+    return _ops.topk_refine_backward.default(
+        grad_out, queries, keys, values, assignments, topk_indices, topk_mass, float(scaling)
+    )
+
+
+def refine_with_query_mass_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.refine_with_query_mass_backward``: float32 gradients (q, k, v, c, Vc, m, Vtop)."""
+    _ensure_loaded()
+    return _ops.refine_with_query_mass_backward.default(
+        grad_out, queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices,
+        topk_mass, topk_values, float(scaling),
+    )  # fmt: skip
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float().contiguous()
+
+
+def _topk_refine_gradient(
+    grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
+):
+    found = topk_refine_backward(
+        _wide(grads[0]),
+        _wide(queries),
+        _wide(keys),
+        _wide(values),
+        assignments.contiguous(),
+        topk_indices.contiguous(),
+        _wide(topk_mass),
+        float(scaling),
+    )
+    dq, dk, dv, dvc, dmass, dtopv = found
+    return [dq, dk, dv, None, dvc, None, dmass, dtopv, None]
+
+
+def _refine_with_query_mass_gradient(
+    grads,
+    queries,
+    keys,
+    values,
+    valid,
+    assignments,
+    centroids,
+    centroid_values,
+    topk_indices,
+    topk_mass,
+    topk_values,
+    scaling,
+):
+    found = refine_with_query_mass_backward(
+        _wide(grads[0]),
+        _wide(queries),
+        _wide(keys),
+        _wide(values),
+        valid.contiguous(),
+        assignments.contiguous(),
+        _wide(centroids),
+        _wide(centroid_values),
+        topk_indices.contiguous(),
+        _wide(topk_mass),
+        _wide(topk_values),
+        float(scaling),
+    )
+    dq, dk, dv, dc, dvc, dmass, dtopv = found
+    return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None]
+
+
+def _register_gradient(op: str, gradient) -> None:
+    """Register ``gradient(grads, *inputs)`` (a gradient per input, None where none) as the backward."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
+        ctx.constants = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+
+    def backward(ctx, *grads):
+        tensors = iter(ctx.saved_tensors)
+        inputs = [next(tensors) if constant is None else constant for constant in ctx.constants]
+        found = gradient(grads, *inputs)
+        return tuple(
+            None if grad is None or not ctx.needs_input_grad[i] else grad.to(inputs[i].dtype)
+            for i, grad in enumerate(found)
+        )
+
+    torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
+
+
+def _register_backwards() -> None:
+    from bert_cluster import reference as ref
+
+    # group_queries(queries, assignments, clusters) -> (centroids, counts)
+    _register_backward("group_queries", (0,), lambda q, a, c: (ref.group_queries(q, a, c)[0], None))
+    # lloyd_refine(queries, assignments, clusters, iterations) -> (assignments, centroids, counts): the
+    # centroids are the means of the final partition (output 0), as group_queries gives them.
+    _register_backward(
+        "lloyd_refine",
+        (0,),
+        lambda q, a, c, rounds, final: (None, ref.group_queries(q, final, c)[0], None),
+        kept_outputs=(0,),
+    )
+
+    # centroid_attention(centroids, keys, values, valid, topk, scaling) -> (Vc, indices, mass, topv)
+    def centroid_attention(centroids, keys, values, valid, topk, scaling, indices):
+        vc, mass, topv = ref.centroid_attention_with_topk(centroids, keys, values, valid, indices, scaling)
+        return vc, None, mass, topv
+
+    _register_backward("centroid_attention", (0, 1, 2), centroid_attention, kept_outputs=(1,))
+    # The refinements: their backward ops (above).
+    _register_gradient("topk_refine", _topk_refine_gradient)
+    _register_gradient("refine_with_query_mass", _refine_with_query_mass_gradient)
+    # broadcast_clusters(Vc, assignments) -> out
+    _register_backward("broadcast_clusters", (0,), lambda *args: (ref.broadcast_clusters(*args),))
+    # banded_attention(queries, keys, values, valid, window, scaling) -> out
+    _register_backward("banded_attention", (0, 1, 2), lambda *args: (ref.banded_attention(*args),))
+
+
+_register_backwards()

@@ -6,7 +6,8 @@ the name, argument order and output shapes of the matching op in ``bert_cluster.
 
 Shapes (letters as in ``shared/docs/clustered-attention.md``): queries ``(R, H, N, Dk)``, keys
 ``(R, H, N, Dk)``, values ``(R, H, N, Dv)``, ``valid`` ``(R, N)`` bool (False marks padding), C clusters,
-B hash bits, k top keys. Softmax and accumulation run in float32; outputs come back in the input dtype.
+B hash bits, k top keys. Softmax and accumulation run in float32 (float64 for float64 inputs, which
+gradcheck uses); outputs come back in the input dtype.
 
 Rules fixed here that the paper leaves open:
 
@@ -65,7 +66,12 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
 
 def _zero_padding(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``(R, H, N, D)`` float32 with the padded positions of ``valid`` ``(R, N)`` set to exactly 0."""
-    return torch.where(valid[:, None, :, None], tensor.float(), 0.0)
+    return torch.where(valid[:, None, :, None], _wide(tensor), 0.0)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """The dtype the reference computes in: float32, or float64 for float64 inputs (gradcheck's)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
 def _popcount(x: torch.Tensor) -> torch.Tensor:
@@ -153,16 +159,16 @@ def group_queries(
     An empty cluster gets a zero centroid and count 0.
     """
     member = assignments >= 0
-    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).float()
-    one_hot = one_hot * member[..., None].float()
-    counts = one_hot.sum(-2)
+    x = _wide(queries)
+    one_hot = torch.nn.functional.one_hot(assignments.clamp(min=0), clusters).to(x.dtype)
+    one_hot = one_hot * member[..., None].to(x.dtype)
+    counts = one_hot.sum(-2).float()
     # The sum as a product with the one-hot matrix would mix every query into every cluster with weight
     # 0, and 0 * nan is nan: so the product runs on finite entries only (padded queries zeroed too), and
     # the non-finite entries of each cluster's members are put back as IEEE addition would combine them.
-    x = queries.float()
     mine = member[..., None]
     sums = torch.einsum("rhnc,rhnd->rhcd", one_hot, torch.where(torch.isfinite(x) & mine, x, 0.0))
-    flags = torch.cat([x.isnan() & mine, (x == math.inf) & mine, (x == -math.inf) & mine], dim=-1).float()
+    flags = torch.cat([x.isnan() & mine, (x == math.inf) & mine, (x == -math.inf) & mine], dim=-1).to(x.dtype)
     has_nan, has_pos, has_neg = (torch.einsum("rhnc,rhnd->rhcd", one_hot, flags) > 0).chunk(3, dim=-1)
     sums = torch.where(has_pos, math.inf, torch.where(has_neg, -math.inf, sums))
     sums = torch.where(has_nan | (has_pos & has_neg), math.nan, sums)
@@ -193,32 +199,66 @@ def centroid_attention(
         ``topk_values`` float32 ``(R, H, C, Dv)``: the top-k part of ``Ac V``, which refinement replaces.
     """
     check_head_dims(centroids, keys)
-    key_valid = valid[:, None, None, :]
-    scores = torch.matmul(centroids, keys.float().transpose(-1, -2)) * scaling
-    weights = _masked_softmax(scores, key_valid)
-    clean_values = _zero_padding(values, valid)
-    centroid_values = torch.matmul(weights, clean_values)
+    scores = _centroid_scores(centroids, keys, scaling)
     k = min(topk, keys.shape[-2])
     if k == 0:
-        empty = centroid_values.new_zeros(centroid_values.shape[:-1])
-        indices = torch.empty(*centroid_values.shape[:-1], 0, dtype=torch.int64, device=keys.device)
-        return centroid_values, indices, empty, torch.zeros_like(centroid_values)
-    # Rank valid keys by score (not weight: distinct scores can round to equal weights), descending, ties
-    # to the lowest key index (stable sorts); then move padded keys behind every valid key (a second stable
-    # sort), so that the first min(k, valid keys) slots are exactly the valid keys ranked.
-    order = torch.sort(
-        scores.masked_fill(~key_valid, -math.inf), dim=-1, descending=True, stable=True
-    ).indices
-    padded_last = torch.sort(
-        (~valid)[:, None, None, :].expand_as(order).gather(-1, order).byte(), stable=True
-    )
-    indices = order.gather(-1, padded_last.indices)[..., :k]
-    picked = torch.arange(k, device=keys.device) < valid.sum(-1)[:, None, None, None]
-    top_weights = torch.where(picked, weights.gather(-1, indices), 0.0)
-    indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
+        indices = torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=keys.device)
+    else:
+        # Rank valid keys by score (not weight: distinct scores can round to equal weights), descending,
+        # ties to the lowest key index (stable sorts); then move padded keys behind every valid key (a
+        # second stable sort), so that the first min(k, valid keys) slots are exactly the valid keys ranked.
+        key_valid = valid[:, None, None, :]
+        order = torch.sort(
+            scores.detach().masked_fill(~key_valid, -math.inf), dim=-1, descending=True, stable=True
+        ).indices
+        padded_last = torch.sort(
+            (~valid)[:, None, None, :].expand_as(order).gather(-1, order).byte(), stable=True
+        )
+        indices = order.gather(-1, padded_last.indices)[..., :k]
+        picked = torch.arange(k, device=keys.device) < valid.sum(-1)[:, None, None, None]
+        indices = torch.where(picked, indices, torch.full_like(indices, _EMPTY))
+    centroid_values, topk_mass, topk_values = _attend_centroids(scores, values, valid, indices)
+    return centroid_values, indices, topk_mass, topk_values
+
+
+def centroid_attention_with_topk(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``centroid_attention``'s float outputs ``(Vc, topk_mass, topk_values)`` for a given top-k choice.
+
+    The top-k choice is discrete and carries no gradient; given it, the outputs are smooth functions of
+    the centroids, keys and values. The ops' backward differentiates this, with the indices the forward
+    chose (a kernel may rank two near-tied keys the other way round than the reference would).
+    """
+    check_head_dims(centroids, keys)
+    return _attend_centroids(_centroid_scores(centroids, keys, scaling), values, valid, topk_indices)
+
+
+def _centroid_scores(centroids: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    return torch.matmul(_wide(centroids), _wide(keys).transpose(-1, -2)) * scaling
+
+
+def _attend_centroids(scores, values, valid, indices):
+    """``Ac V``, the weight ``m_j`` on the top-k slots ``indices`` (-1: none) and their part of ``Ac V``."""
+    weights = _masked_softmax(scores, valid[:, None, None, :])
+    clean_values = _zero_padding(values, valid)
+    centroid_values = torch.matmul(weights, clean_values)
+    if indices.shape[-1] == 0:
+        return (
+            centroid_values,
+            centroid_values.new_zeros(centroid_values.shape[:-1]),
+            torch.zeros_like(centroid_values),
+        )
+    picked = indices >= 0
+    top_weights = torch.where(picked, weights.gather(-1, indices.clamp(min=0)), 0.0)
     gathered = torch.where(picked[..., None], _gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
-    return centroid_values, indices, top_weights.sum(-1), topk_values
+    return centroid_values, top_weights.sum(-1), topk_values
 
 
 def _gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -250,11 +290,11 @@ def topk_refine(
     cluster = assignments.clamp(min=0)
     indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
-    top_keys = _gather_rows(keys.float(), indices)  # (R, H, N, k, Dk)
-    scores = torch.einsum("rhnd,rhnkd->rhnk", queries.float(), top_keys) * scaling
+    top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
+    scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
     weights = _masked_softmax(scores, slot)
     mass = topk_mass.gather(2, cluster)
-    top_values = torch.where(slot[..., None], _gather_rows(values.float(), indices), 0.0)
+    top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
     base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
     return torch.where(member[..., None], base + exact, 0.0)
@@ -275,7 +315,7 @@ def exact_attention(
     their valid keys only). O(N^2) memory: not for long rows.
     """
     check_head_dims(queries, keys)
-    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scaling
+    scores = torch.matmul(_wide(queries), _wide(keys).transpose(-1, -2)) * scaling
     weights = _masked_softmax(scores, valid[:, None, None, :])
     out = torch.matmul(weights, _zero_padding(values, valid))
     return torch.where(valid[:, None, :, None], out, 0.0)
@@ -311,13 +351,13 @@ def banded_attention(
         # window positions before, window + tail after: key block b starts at padded index b * block.
         return torch.nn.functional.pad(tensor, (0, 0, window, window + tail), value=0.0)
 
-    q = torch.nn.functional.pad(queries.float(), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
-    k = padded(keys.float()).unfold(2, span, block)  # (R, H, blocks, Dk, span)
+    q = torch.nn.functional.pad(_wide(queries), (0, 0, 0, tail)).reshape(rows, heads, blocks, block, dk)
+    k = padded(_wide(keys)).unfold(2, span, block)  # (R, H, blocks, Dk, span)
     # Values enter a product with every query of the block, visible or not (weight 0): padded and
     # non-finite values are zeroed there (0 * nan is nan), and non-finite ones are put back below for the
     # queries that really see them.
     finite = torch.isfinite(values) & valid[:, None, :, None]
-    v = padded(torch.where(finite, values.float(), 0.0)).unfold(2, span, block)  # (R, H, blocks, Dv, span)
+    v = padded(torch.where(finite, _wide(values), 0.0)).unfold(2, span, block)  # (R, H, blocks, Dv, span)
     scores = torch.matmul(q, k) * scaling  # (R, H, blocks, block, span)
     query_pos = torch.arange(blocks * block, device=queries.device).reshape(blocks, block, 1)
     key_pos = (torch.arange(blocks, device=queries.device) * block)[:, None, None] - window
@@ -454,10 +494,8 @@ def refine_with_query_mass(
     """
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
-    key_rows = torch.where(valid[:, None, :, None], keys.float(), 0.0)  # padding masked, not multiplied by 0
-    top_keys = torch.where(
-        slots[..., None], _gather_rows(keys.float(), topk_indices), 0.0
-    )  # (R, H, C, k, Dk)
+    key_rows = torch.where(valid[:, None, :, None], _wide(keys), 0.0)  # padding masked, not multiplied by 0
+    top_keys = torch.where(slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
@@ -489,15 +527,85 @@ def refine_with_query_mass(
         return tensor.gather(2, index)
 
     indices = per_query(topk_indices)  # (R, H, N, k)
-    q = queries.float()
-    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(keys.float(), indices)) * scaling
+    q = _wide(queries)
+    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(_wide(keys), indices)) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     query_logz = scores.logsumexp(-1)
     query_rest = rest_logz(q, per_query(key_mean), per_query(key_var))
     odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
-    top_values = torch.where((indices >= 0)[..., None], _gather_rows(values.float(), indices), 0.0)
+    top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
     return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held
+
+
+# ---------------------------------------------------------------------------------------------------
+# The refinements' backward (issue 38): the gradient of the two functions above given the discrete choices
+# (assignments, top-k indices), by autograd. The oracle of the backward kernels (kernels/cpu/backward.cpp),
+# and the backward where no kernel is built.
+
+
+def _gradients(function, inputs: list, wanted: list[int], grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """``d(function(*inputs) . grad_out) / d inputs[i]`` for i in ``wanted`` (zeros where none flows)."""
+    with torch.enable_grad():
+        leaves = list(inputs)
+        for i in wanted:
+            leaves[i] = inputs[i].detach().requires_grad_(True)
+        found = torch.autograd.grad(
+            function(*leaves), [leaves[i] for i in wanted], grad_out, allow_unused=True
+        )
+    return [torch.zeros_like(inputs[i]) if g is None else g for i, g in zip(wanted, found, strict=True)]
+
+
+def topk_refine_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """``topk_refine``'s input gradients: queries, keys, values, centroid values, top-k mass, top-k values.
+
+    The gradient does not depend on the centroid and top-k values (they enter the output as a
+    difference), so the op does not take them: zeros stand in.
+    """
+    rows, heads, clusters, _ = topk_indices.shape
+    blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
+    inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
+    return tuple(_gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
+
+
+def refine_with_query_mass_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """``refine_with_query_mass``'s gradients of queries, keys, values, centroids, Vc, mass and Vtop."""
+    inputs = [
+        queries,
+        keys,
+        values,
+        valid,
+        assignments,
+        centroids,
+        centroid_values,
+        topk_indices,
+        topk_mass,
+        topk_values,
+        scaling,
+    ]
+    return tuple(_gradients(refine_with_query_mass, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out))

@@ -34,7 +34,11 @@ class Step:
     #: Every step of a call in one op: only the backends that compile it have it (the others compose
     #: the steps one by one, ``attention.composed_heads``).
     fused: bool = False
-    #: The registered backward of the op, once it has one (the kernels are forward only for now).
+    #: How the op's registered backward computes (issue 38): the name of its backward op (a step of this
+    #: table, with the kernels it names), or ``AUTOGRAD``: autograd through the reference function given
+    #: the forward's discrete choices (assignments, top-k indices), which carry no gradient. None: the op
+    #: has no gradient (integer outputs), or no backward (the fused op: a pass that records gradients
+    #: composes the steps).
     backward: str | None = None
 
     def reference_function(self) -> Callable[..., Any]:
@@ -45,6 +49,8 @@ class Step:
 
 BOTH = KERNEL_BACKENDS
 CPU = ("cpu",)
+#: ``Step.backward``: the gradient of the reference function, by autograd, in ``ops.py``.
+AUTOGRAD = "autograd"
 
 STEPS: tuple[Step, ...] = (
     Step(
@@ -64,6 +70,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
         BOTH,
         "reference.group_queries",
+        backward=AUTOGRAD,
     ),
     Step(
         "centroid_attention",
@@ -71,6 +78,7 @@ STEPS: tuple[Step, ...] = (
         "-> (Tensor, Tensor, Tensor, Tensor)",
         BOTH,
         "reference.centroid_attention",
+        backward=AUTOGRAD,
     ),
     Step(
         "topk_refine",
@@ -78,18 +86,21 @@ STEPS: tuple[Step, ...] = (
         "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) -> Tensor",
         BOTH,
         "reference.topk_refine",
+        backward="topk_refine_backward",
     ),
     Step(
         "broadcast_clusters",
         "(Tensor centroid_values, Tensor assignments) -> Tensor",
         BOTH,
         "reference.broadcast_clusters",
+        backward=AUTOGRAD,
     ),
     Step(
         "banded_attention",
         "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor",
         BOTH,
         "reference.banded_attention",
+        backward=AUTOGRAD,
     ),
     # Exact attention on short rows is torch's SDPA in attention.py: no op; every backend runs the reference.
     Step("exact_attention", None, (), "reference.exact_attention"),
@@ -99,6 +110,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)",
         CPU,
         "reference.lloyd_refine",
+        backward=AUTOGRAD,
     ),
     Step(
         "refine_with_query_mass",
@@ -107,6 +119,25 @@ STEPS: tuple[Step, ...] = (
         "-> Tensor",
         CPU,
         "reference.refine_with_query_mass",
+        backward="refine_with_query_mass_backward",
+    ),
+    # The refinements' backward (issue 38): the exact gradient given the forward's discrete choices, from
+    # the output gradient (kernels/cpu/backward.cpp; elsewhere the reference's, by autograd).
+    Step(
+        "topk_refine_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor assignments, "
+        "Tensor topk_indices, Tensor topk_mass, float scaling) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.topk_refine_backward",
+    ),
+    Step(
+        "refine_with_query_mass_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, "
+        "Tensor centroids, Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, "
+        "Tensor topk_values, float scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.refine_with_query_mass_backward",
     ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
     # composed steps' result bit for bit.

@@ -436,7 +436,13 @@ def test_the_new_steps_are_cpu_kernels_and_reference_steps_on_cuda():
     reference's tensor ops for them, and the CPU backend counts as available only with them."""
     from bert_cluster import _loader, ops
 
-    assert set(ops.CPU_ONLY_OPS) == {"lloyd_refine", "refine_with_query_mass", "clustered_heads"}
+    assert set(ops.CPU_ONLY_OPS) == {
+        "lloyd_refine",
+        "refine_with_query_mass",
+        "clustered_heads",
+        "topk_refine_backward",
+        "refine_with_query_mass_backward",
+    }
     assert not set(ops.CPU_ONLY_OPS) & set(ops.OPS)
     assert dispatch.CudaKernelBackend.lloyd_refine is ref.lloyd_refine
     assert dispatch.CudaKernelBackend.refine_with_query_mass is ref.refine_with_query_mass

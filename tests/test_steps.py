@@ -16,8 +16,9 @@ from torch._library import simple_registry
 
 from bert_cluster import _loader, dispatch, ops, steps
 
-#: The Python op that wraps a whole clustered_attention call for torch.compile (attention.py): not a step.
-WHOLE_CALL_OP = "clustered_attention"
+#: The Python ops that wrap a whole clustered_attention call and its backward for torch.compile
+#: (attention.py): not steps.
+WHOLE_CALL_OPS = {"clustered_attention", "clustered_attention_backward"}
 
 
 def schema_arguments(schema: str) -> list[str]:
@@ -33,7 +34,16 @@ def test_every_step_has_a_reference_with_the_ops_arguments(step):
     if step.schema is not None:
         assert list(inspect.signature(function).parameters) == schema_arguments(step.schema)
     assert set(step.compiled) <= set(steps.KERNEL_BACKENDS)
-    assert step.backward is None, "a backward in the table needs its registration and gradcheck tests"
+    if step.backward not in (None, steps.AUTOGRAD):  # a backward op: a step of the table, from grad_out
+        backward = steps.BY_NAME[step.backward]
+        assert backward.schema.startswith("(Tensor grad_out, "), step.backward
+
+
+@pytest.mark.parametrize("step", [s for s in steps.STEPS if s.schema], ids=lambda step: step.name)
+def test_a_step_with_a_backward_in_the_table_has_one_registered(step):
+    # tests/ops/test_backward.py checks each of them against autograd through the reference.
+    registered = torch._C._dispatch_has_kernel_for_dispatch_key(f"{ops.NAMESPACE}::{step.name}", "Autograd")
+    assert registered == (step.backward is not None), step.name
 
 
 @pytest.mark.parametrize("step", [s for s in steps.STEPS if s.schema], ids=lambda step: step.name)
@@ -49,7 +59,7 @@ def test_every_op_of_the_namespace_is_a_step():
     ops.load_kernels()
     prefix = f"{ops.NAMESPACE}::"
     names = {name[len(prefix) :] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix)}
-    assert names - {WHOLE_CALL_OP} == {step.name for step in steps.STEPS if step.schema}
+    assert names - WHOLE_CALL_OPS == {step.name for step in steps.STEPS if step.schema}
 
 
 @pytest.mark.parametrize(

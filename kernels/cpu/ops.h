@@ -48,4 +48,15 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
 
 at::Tensor broadcast_clusters_cpu(const at::Tensor& centroid_values, const at::Tensor& assignments);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys,
+                                    const at::Tensor& values, const at::Tensor& valid, const at::Tensor& assignments,
+                                    const at::Tensor& centroids, const at::Tensor& centroid_values,
+                                    const at::Tensor& topk_indices, const at::Tensor& topk_mass,
+                                    const at::Tensor& topk_values, double scaling);
+
 }  // namespace bert_cluster

@@ -17,6 +17,8 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("centroid_attention", &centroid_attention_cpu);
   m.impl("topk_refine", &topk_refine_cpu);
   m.impl("broadcast_clusters", &broadcast_clusters_cpu);
+  m.impl("topk_refine_backward", &topk_refine_backward_cpu);
+  m.impl("refine_with_query_mass_backward", &refine_with_query_mass_backward_cpu);
 }
 
 }  // namespace bert_cluster
