@@ -299,7 +299,7 @@ def attention_forward(
             {**kwargs, "scaling": scaling, "dropout": dropout},
         )  # fmt: skip
     if dropout > 0 and not _warned_dropout:
-        logger.warning("clustered attention applies no attention dropout (it is meant for inference)")
+        logger.warning("clustered attention applies no attention dropout yet: the model trains without it")
         _warned_dropout = True
     if key.shape[1] != heads:  # grouped-query attention: each key/value head serves a group of query heads
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
