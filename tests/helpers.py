@@ -16,6 +16,8 @@ from families import tiny_config, tiny_model
 
 __all__ = [
     "RTE_ROWS",
+    "kernel_backends",
+    "require_kernels",
     "save_model",
     "save_sentence_transformer",
     "save_tokenizer",
@@ -146,3 +148,24 @@ RTE_ROWS = [
     ("Tom bought 3 apples.", "Tom has apples.", "entailment"),
     ("The shop was closed on Sunday, so we left.", "The shop opened.", "not_entailment"),
 ]
+
+
+def kernel_backends() -> list:
+    """(backend name, device) pairs of the kernel backends; the CUDA one carries the ``cuda`` marker."""
+    import pytest
+
+    return [
+        pytest.param("cpu", "cpu", id="cpu"),
+        pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
+    ]
+
+
+def require_kernels(backend: str) -> None:
+    """Skip the test where ``backend``'s kernels are not available here, saying why."""
+    import pytest
+
+    from bert_cluster import dispatch
+
+    ok, why = dispatch.BACKENDS[backend].is_available()
+    if not ok:
+        pytest.skip(f"{backend} kernels unavailable: {why}")

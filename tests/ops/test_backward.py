@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import kernel_backends, require_kernels
 
 from bert_cluster import dispatch
 from bert_cluster import reference as ref
@@ -28,19 +29,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: grid (AMD EPYC Zen 4, 2026-12-04): fp32 3.6e-7 relative; bf16 the same before the final rounding to
 #: bf16 (one ulp: 2^-8 relative) -> fp32 4e-6, bf16 one bf16 ulp (8e-3).
 GRAD_RTOL = {"fp32": 4e-6, "bf16": 8e-3}
-
-
-def _kernel_backends() -> list:
-    return [
-        pytest.param("cpu", "cpu", id="cpu"),
-        pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-    ]
-
-
-def _require(backend: str) -> None:
-    ok, why = dispatch.BACKENDS[backend].is_available()
-    if not ok:
-        pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
 @dataclass(frozen=True)
@@ -120,10 +108,10 @@ def _assert_grads_close(got: dict, expected: dict, dtype: str, what: str) -> Non
         assert error <= GRAD_RTOL[dtype], f"{what} d{name}: relative error {error:.3g} > {GRAD_RTOL[dtype]}"
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("case", GRID, ids=str)
 def test_backward_matches_reference_autograd(case: Case, backend: str, device: str) -> None:
-    _require(backend)
+    require_kernels(backend)
     kernels = dispatch.BACKENDS[backend]
     q, k, v, valid = _inputs(case)
     scaling, assignments, plus_assignments, centroids = _pipeline(case, q, k, v, valid)
@@ -272,14 +260,14 @@ def test_backward_matches_reference_autograd(case: Case, backend: str, device: s
         _assert_grads_close(got, expected, case.dtype, f"{label} centroids")
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
 def test_clustered_attention_gradients_match_the_reference_backend(
     backend: str, device: str, dtype: str, mode: str
 ) -> None:
     """End to end, a mixed batch: one row short enough for exact attention, one padded, one full."""
-    _require(backend)
+    require_kernels(backend)
     case = Case(200, 25, 32, 64, 64, dtype, True)
     q, k, v, valid = _inputs(case, seed=3)
     q, k, v = (torch.cat([t, t[:1]]) for t in (q, k, v))
@@ -301,10 +289,10 @@ def test_clustered_attention_gradients_match_the_reference_backend(
     _assert_grads_close(got, expected, dtype, f"clustered_attention {mode}")
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered"])
 def test_two_backward_passes_give_the_same_bits(backend: str, device: str, mode: str) -> None:
-    _require(backend)
+    require_kernels(backend)
     q, k, v, valid = (t.to(device) for t in _inputs(Case(700, 25, 32, 64, 64, "fp32", True), seed=5))
     config = ClusteredAttentionConfig(clusters=25, topk=32, mode=mode, min_length=0, backend=backend)
     out_grad = torch.randn(*q.shape, generator=torch.Generator().manual_seed(6)).to(device)

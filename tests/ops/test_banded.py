@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import kernel_backends, require_kernels
 
 from bert_cluster import dispatch
 from bert_cluster import reference as ref
@@ -18,19 +19,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ATOL = 4e-6
 #: Against SDPA (math backend, fp32) under the equivalent boolean mask: measured max 4.8e-7 -> 2e-6.
 SDPA_ATOL = 2e-6
-
-
-def _kernel_backends() -> list:
-    return [
-        pytest.param("cpu", "cpu", id="cpu"),
-        pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-    ]
-
-
-def _require(backend: str) -> None:
-    ok, why = dispatch.BACKENDS[backend].is_available()
-    if not ok:
-        pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
 #: (N, window, Dk, Dv, padding): w = 0, w >= N, a ModernBERT-like band, odd head dims, Dv != Dk.
@@ -71,11 +59,11 @@ def _band_mask(n: int, window: int, valid: torch.Tensor) -> torch.Tensor:
     return band[None, None] & valid[:, None, None, :]  # (R, 1, N, N)
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-w{}-Dk{}-Dv{}-{}".format(*c))
 def test_banded_attention_matches_reference(case, dtype: str, backend: str, device: str) -> None:
-    _require(backend)
+    require_kernels(backend)
     n, window, dk, dv, padding = case
     q, k, v, valid = _inputs(n, dk, dv, padding, DTYPES[dtype])
     scaling = 1 / math.sqrt(dk)
@@ -90,13 +78,13 @@ def test_banded_attention_matches_reference(case, dtype: str, backend: str, devi
     assert bool((got.cpu()[padded] == 0).all()), "padded queries must get zeros"
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("window", [0, 5, 64, 1000])
 def test_banded_attention_equals_sdpa_with_the_band_mask(
     window: int, dtype: str, backend: str, device: str
 ) -> None:
-    _require(backend)
+    require_kernels(backend)
     n = 200
     q, k, v, valid = _inputs(n, 32, 32, "holes", DTYPES[dtype], seed=1)
     mask = _band_mask(n, window, valid)
@@ -109,10 +97,10 @@ def test_banded_attention_equals_sdpa_with_the_band_mask(
     torch.testing.assert_close(got.cpu(), expected, atol=SDPA_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 def test_windowed_attention_runs_the_kernel(backend: str, device: str) -> None:
     """attention.windowed_attention dispatches to the op on the kernel backends (not the reference)."""
-    _require(backend)
+    require_kernels(backend)
     from bert_cluster.attention import windowed_attention
     from bert_cluster.config import ClusteredAttentionConfig
 

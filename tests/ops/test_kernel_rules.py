@@ -8,24 +8,12 @@ import math
 
 import pytest
 import torch
+from helpers import kernel_backends, require_kernels
 
 from bert_cluster import dispatch
 from bert_cluster import reference as ref
 from bert_cluster.attention import clustered_attention, hash_planes
 from bert_cluster.config import ClusteredAttentionConfig
-
-
-def _kernel_backends() -> list:
-    return [
-        pytest.param("cpu", "cpu", id="cpu"),
-        pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-    ]
-
-
-def _require(backend: str) -> None:
-    ok, why = dispatch.BACKENDS[backend].is_available()
-    if not ok:
-        pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
 def _qkv(rows, heads, n, dk, dv=None, seed=0, dtype=torch.float32):
@@ -59,7 +47,7 @@ def _pipeline(q, k, v, valid, clusters=25, topk=32, bits=63):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernels_do_not_depend_on_the_thread_count(dtype) -> None:
     """Issue 11 item 9: bit-identical outputs with 1, 2 and 3 threads (the work splits differently)."""
-    _require("cpu")
+    require_kernels("cpu")
     q, k, v, valid = _qkv(2, 4, 1100, 64, seed=3, dtype=dtype)
     threads = torch.get_num_threads()
     outputs = []
@@ -79,10 +67,10 @@ def test_cpu_kernels_do_not_depend_on_the_thread_count(dtype) -> None:
             assert torch.equal(tensor, other[name]), f"{name} changed with the thread count"
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 def test_mismatched_head_dims_give_one_message(backend: str, device: str) -> None:
     """Issue 11 item 6: the same ValueError on every kernel op that takes queries (or centroids) and keys."""
-    _require(backend)
+    require_kernels(backend)
     from bert_cluster import ops
 
     q, _, v, valid = (t.to(device) for t in _qkv(1, 2, 20, 8, seed=4))
@@ -106,7 +94,7 @@ def test_mismatched_head_dims_give_one_message(backend: str, device: str) -> Non
 
 def test_out_of_range_assignments_and_indices_are_rejected() -> None:
     """The CPU kernels raise ValueError (CUDA fails a device-side assertion: scripts/gpu_checks.py)."""
-    _require("cpu")
+    require_kernels("cpu")
     from bert_cluster import ops
 
     q, k, v, valid = _qkv(1, 2, 30, 8, seed=5)
@@ -131,7 +119,7 @@ def test_out_of_range_assignments_and_indices_are_rejected() -> None:
 
 def test_hf_layout_inputs_are_read_in_place() -> None:
     """(B, H, L, D) views of a (B, L, H, D) tensor, as transformers passes them, give the same bits."""
-    _require("cpu")
+    require_kernels("cpu")
     generator = torch.Generator().manual_seed(6)
     rows, heads, n, d = 2, 3, 300, 40
     q, k, v = (torch.randn(rows, n, heads, d, generator=generator).transpose(1, 2) for _ in range(3))
@@ -144,10 +132,10 @@ def test_hf_layout_inputs_are_read_in_place() -> None:
         assert torch.equal(strided[name], tensor), name
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 def test_topk_ties_go_to_the_lowest_index_across_tiles(backend: str, device: str) -> None:
     """Exact score ties (duplicated integer keys) over several 256-key tiles: the reference's order."""
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(7)
     n, clusters, dk = 700, 3, 4
     distinct = torch.randint(-3, 4, (5, dk), generator=generator).float()
@@ -169,10 +157,10 @@ def test_topk_ties_go_to_the_lowest_index_across_tiles(backend: str, device: str
 ODD_DIMS = [(1, 3), (8, 8), (40, 24), (72, 72), (200, 136)]
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dk,dv", ODD_DIMS, ids=lambda d: str(d))
 def test_odd_head_dims_and_dv_unlike_dk(dk: int, dv: int, backend: str, device: str) -> None:
-    _require(backend)
+    require_kernels(backend)
     q, k, v, valid = _qkv(2, 2, 150, dk, dv, seed=8)
     valid[0] = False  # one fully padded row
     config = ClusteredAttentionConfig(clusters=5, topk=20, bits=16)
@@ -184,14 +172,14 @@ def test_odd_head_dims_and_dv_unlike_dk(dk: int, dv: int, backend: str, device: 
     assert bool((got.cpu()[0] == 0).all())
 
 
-@pytest.mark.parametrize(("backend", "device"), _kernel_backends())
+@pytest.mark.parametrize(("backend", "device"), kernel_backends())
 def test_more_than_k_ties_at_plus_inf_pick_k_keys_like_the_reference(backend, device) -> None:
     """An inf query makes its centroid score +inf against every key: 200 ties at +inf for k = 5.
 
     The CPU top-k took every key >= the bound just above +inf, which is +inf itself, and wrote 200
     candidates into a lane's buffer of k (heap corruption, found as an abort in the property suite).
     """
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 200, 8, generator=generator)
     k = torch.rand(1, 2, 200, 8, generator=generator) + 0.5  # positive keys: inf * k = +inf
@@ -207,7 +195,7 @@ def test_more_than_k_ties_at_plus_inf_pick_k_keys_like_the_reference(backend, de
     )  # measured 0.0
 
 
-@pytest.mark.parametrize(("backend", "device"), _kernel_backends())
+@pytest.mark.parametrize(("backend", "device"), kernel_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dk", [48, 64, 40])
 def test_refinement_of_small_and_large_clusters_matches_the_reference(backend, device, dtype, dk) -> None:
@@ -217,7 +205,7 @@ def test_refinement_of_small_and_large_clusters_matches_the_reference(backend, d
     transposed (and any cluster's from the transposed keys when Dk is not a multiple of 16): every path
     against the reference, in topk_refine and (CPU only) i-clustered+'s refine_with_query_mass.
     """
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(8)
     n, clusters, topk = 280, 13, 32
     q, k, v = (torch.randn(1, 2, n, dk, generator=generator).to(dtype) for _ in range(3))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import kernel_backends, require_kernels
 
 from bert_cluster import dispatch
 from bert_cluster import reference as ref
@@ -42,20 +43,6 @@ TIE_GAP = 1e-3
 #: Scores further apart than this cannot swap ranks: 4 fp32 ulps at |score| = 4 (test scores stay below
 #: ~4), more than the few ulps by which a GEMM with another summation order can differ.
 TOPK_GAP = 2e-6
-
-
-def _kernel_backends() -> list:
-    """(backend name, device) pairs to test; CUDA ones carry the `cuda` marker (skipped without a GPU)."""
-    return [
-        pytest.param("cpu", "cpu", id="cpu"),
-        pytest.param("cuda", "cuda", id="cuda", marks=pytest.mark.cuda),
-    ]
-
-
-def _require(backend: str) -> None:
-    ok, why = dispatch.BACKENDS[backend].is_available()
-    if not ok:
-        pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
 @dataclass(frozen=True)
@@ -192,10 +179,10 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert mismatches == 0, f"{what}: {mismatches} of {expected.numel()} entries differ"
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("case", GRID, ids=str)
 def test_ops_match_reference(case: Case, backend: str, device: str) -> None:
-    _require(backend)
+    require_kernels(backend)
     kernels = dispatch.BACKENDS[backend]
     scaling = 1.0 / math.sqrt(case.head_dim)
     for seed in range(20):  # redraw until the top-k boundaries are separated (needed in a few % of cases)
@@ -246,14 +233,14 @@ def test_ops_match_reference(case: Case, backend: str, device: str) -> None:
     )
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", ["i-clustered", "clustered"])
 def test_clustered_attention_matches_reference_backend(
     backend: str, device: str, dtype: str, mode: str
 ) -> None:
     """End to end through attention.py, with a mixed batch (one row short enough for exact attention)."""
-    _require(backend)
+    require_kernels(backend)
     case = Case(200, 25, 32, 63, 64, dtype, True)
     q, k, v, valid, _, _ = make_inputs(case, seed=1)
     valid[1, 20:] = False  # 20 valid tokens <= C: this row takes exact attention
@@ -266,10 +253,10 @@ def test_clustered_attention_matches_reference_backend(
     _close(got.float(), expected.float(), END_ATOL[dtype], f"clustered_attention {mode}")
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 def test_topk_at_least_n_is_exact(backend: str, device: str) -> None:
     """Paper property on the kernels: with k >= N improved clustered attention equals exact attention."""
-    _require(backend)
+    require_kernels(backend)
     q, k, v, valid, _, _ = make_inputs(Case(64, 4, 64, 63, 32, "fp32", True), seed=2)
     config = ClusteredAttentionConfig(clusters=4, topk=64, backend=backend)
     got = clustered_attention(q.to(device), k.to(device), v.to(device), valid.to(device), config).cpu()
@@ -277,14 +264,14 @@ def test_topk_at_least_n_is_exact(backend: str, device: str) -> None:
     torch.testing.assert_close(got, exact, atol=2e-6, rtol=2e-6)  # measured 3.6e-7
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("topk", [1, 40, 100, 181, 300, 700])
 def test_topk_selection_with_exact_ties(topk: int, backend: str, device: str) -> None:
     """The top-k keys of each centroid, in order, with many exactly equal scores (ties go to the lower key
     index), for k across the kernels' selection regimes (small sets ranked, larger ones partitioned,
     candidate buffers compacted many times over 1,500 keys). Keys and centroids are multiples of 1/2 in
     [-1, 1], so every score is exact in float32 whatever the summation order: the lists must be identical."""
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(topk)
     n, clusters, dim = 1500, 40, 16
 
@@ -305,14 +292,14 @@ def test_topk_selection_with_exact_ties(topk: int, backend: str, device: str) ->
     _close(got[3], expected[3], 1e-6, "top-k values")
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("clusters", [7, 25, 60])
 def test_kmeans_matches_the_reference_after_any_rounds(backend: str, device: str, clusters: int) -> None:
     """After its first round the CPU K-means rescans only the centroids the last vote moved (and every
     centroid for the queries whose own centroid moved away): the result after any number of rounds, and
     the final assignment of a run cut short, must be the full scan's. Hashes drawn from a few hundred
     values, so that many queries tie and many centroids settle early; one row padded on both sides."""
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(clusters)
     pool = torch.randint(0, 2**20, (300,), generator=generator)
     hashes = pool[torch.randint(0, 300, (2, 3, 700), generator=generator)]
@@ -329,12 +316,12 @@ def test_kmeans_matches_the_reference_after_any_rounds(backend: str, device: str
         _equal(got_centroids, centroid_hashes, f"centroids after {rounds} rounds")
 
 
-@pytest.mark.parametrize("backend,device", _kernel_backends())
+@pytest.mark.parametrize("backend,device", kernel_backends())
 def test_kmeans_with_counts_in_global_memory_matches_the_reference(backend: str, device: str) -> None:
     """From C = 177 the CUDA K-means keeps its member and bit counts in global memory (they no longer fit
     in shared memory beside the centroids): C = 200, with more distinct hashes than clusters, must give the
     reference's assignments and centroids. On the CPU kernels the same case is the stand-in."""
-    _require(backend)
+    require_kernels(backend)
     generator = torch.Generator().manual_seed(200)
     hashes = torch.randint(0, 2**40, (1, 2, 3000), generator=generator)
     valid = torch.ones(1, 3000, dtype=torch.bool)
@@ -350,7 +337,7 @@ def test_kmeans_with_counts_in_global_memory_matches_the_reference(backend: str,
 def test_cuda_kmeans_launches_at_the_largest_admitted_cluster_count() -> None:
     """C = 4010 is the most the CUDA K-means admits (48 KiB of shared memory): it must launch and match the
     reference; C = 4011 is refused with the limit named."""
-    _require("cuda")
+    require_kernels("cuda")
     generator = torch.Generator().manual_seed(4010)
     hashes = torch.randint(0, 2**40, (1, 1, 5000), generator=generator)
     valid = torch.ones(1, 5000, dtype=torch.bool)
@@ -394,7 +381,7 @@ def _small_args(device: str):
     ],
 )
 def test_opcheck(op: str, device: str) -> None:
-    _require("cpu" if device == "cpu" else "cuda")
+    require_kernels("cpu" if device == "cpu" else "cuda")
     from bert_cluster import ops
 
     torch.library.opcheck(getattr(torch.ops.bert_cluster, op).default, _small_args(device)[op])
@@ -403,7 +390,7 @@ def test_opcheck(op: str, device: str) -> None:
 
 def test_fake_kernels_trace_without_graph_breaks() -> None:
     """The op chain compiles as one graph (fake kernels give every shape), dynamic N included."""
-    _require("cpu")
+    require_kernels("cpu")
     from bert_cluster import ops
 
     def pipeline(q, k, v, valid, planes, offsets):
@@ -439,7 +426,7 @@ def test_fake_kernels_trace_without_graph_breaks() -> None:
     ],
 )
 def test_bad_input_raises(call, error) -> None:
-    _require("cpu")
+    require_kernels("cpu")
     from bert_cluster import ops
 
     q, _, _, valid, planes, offsets = make_inputs(Case(9, 3, 4, 8, 8, "fp32", True), seed=5)
@@ -451,7 +438,7 @@ def test_bad_input_raises(call, error) -> None:
 
 def test_same_seed_same_output_on_every_backend() -> None:
     """Planes come from attention.hash_planes on the CPU: two runs and two backends agree exactly on bits."""
-    _require("cpu")
+    require_kernels("cpu")
     planes_a, offsets_a = hash_planes(7, 3, 63, 64)
     planes_b, offsets_b = hash_planes(7, 3, 63, 64)
     assert torch.equal(planes_a, planes_b) and torch.equal(offsets_a, offsets_b)
