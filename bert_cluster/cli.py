@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 # Evaluation and embedding (datasets, sentence-transformers) and the kernels are imported inside the
 # commands that run them: a command loads only what it uses (`--help` none of them).
@@ -30,7 +31,31 @@ from bert_cluster import __version__
 from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 from bert_cluster.inspection import DEFAULT_MAX_ERROR
 
+#: click's usage error (typer 0.2x vendors its own click): the base of typer.BadParameter.
+_UsageError = next(base for base in typer.BadParameter.__mro__ if base.__name__ == "UsageError")
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """The command group: a command's usage errors are one line on stderr and exit code 2.
+
+    An unknown option, a bad choice, a missing argument: as every other user error here, not a usage box.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _UsageError as error:
+            if type(error).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as before
+                raise
+            # pydantic's prefix on a bad choice says nothing to a user of the command line.
+            message = " ".join(error.format_message().replace("Value error, ", "").split())
+            where = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
+            typer.echo(f"error: {message}{where}", err=True)
+            ctx.exit(2)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name="bert-cluster",
     help="Improved clustered attention for pretrained BERT-family models: evaluate, convert, inspect.",
     no_args_is_help=True,

@@ -407,3 +407,23 @@ def test_the_terminal_tables_have_the_markdown_rows():
     out = io.StringIO()
     Console(file=out, width=200).print(table)
     assert all(cell in out.getvalue() for row in rows for cell in row)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "m", "out", "--mode", "xyz"],
+        ["inspect", "m", "--mode", "xyz"],
+        ["evaluate", "m", "--backend", "tpu"],
+        ["convert", "m", "out", "--no-such-option"],
+        ["convert"],
+        ["kernels", "build", "--bogus"],
+        ["no-such-command"],
+    ],
+    ids=lambda args: " ".join(args),
+)
+def test_a_usage_error_is_one_line_and_exit_2(args):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Usage" not in result.output, result.output
+    assert result.stderr.startswith("error: ") and "--help`)" in result.stderr
