@@ -470,26 +470,31 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     attention = (result.get("attention") or {}).get("rows", [])
-    for dtype in dict.fromkeys(r["dtype"] for r in attention):
-        for method, style in (("kernel-i-clustered", "-"), ("kernel-i-clustered+", "--")):
-            mine = [r for r in attention if r["dtype"] == dtype and r["method"] == method]
-            if mine:
-                left.plot(
-                    [r["n"] for r in mine],
-                    [r["speedup_vs_sdpa"] for r in mine],
-                    marker="o",
-                    linestyle=style,
-                    label=f"{method.removeprefix('kernel-')} {dtype}",
-                )
-    for n, target in ATTENTION_TARGETS.items():
-        left.plot([n], [target], marker="_", markersize=20, color="black")
-    left.set_title("one call, forward + backward (bars: targets)", fontsize="medium")
-    left.set_xlabel("tokens N (1 x 12 x N x 64)")
-    left.set_ylabel("speedup over SDPA's forward + backward")
     steps = [r for r in (result.get("step") or {}).get("rows", []) if "speedup" in r]
+    panels = int(bool(attention)) + int(bool(steps))
+    figure, axes_list = plt.subplots(1, max(panels, 1), figsize=(5.5 * max(panels, 1), 4.2), squeeze=False)
+    panel = iter(axes_list[0])
+    if attention:
+        left = next(panel)
+        for dtype in dict.fromkeys(r["dtype"] for r in attention):
+            for method, style in (("kernel-i-clustered", "-"), ("kernel-i-clustered+", "--")):
+                mine = [r for r in attention if r["dtype"] == dtype and r["method"] == method]
+                if mine:
+                    left.plot(
+                        [r["n"] for r in mine],
+                        [r["speedup_vs_sdpa"] for r in mine],
+                        marker="o",
+                        linestyle=style,
+                        label=f"{method.removeprefix('kernel-')} {dtype}",
+                    )
+        for n, target in ATTENTION_TARGETS.items():
+            left.plot([n], [target], marker="_", markersize=20, color="black")
+        left.set_title("one call, forward + backward (bars: targets)", fontsize="medium")
+        left.set_xlabel("tokens N (1 x 12 x N x 64)")
+        left.set_ylabel("speedup over SDPA's forward + backward")
     if steps:
+        right = next(panel)
         lengths = [r["length"] for r in steps]
         right.plot(lengths, [r["speedup"] for r in steps], marker="o", label="convert()ed vs unmodified")
         if all("bound" in r for r in steps):
@@ -498,10 +503,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             )
         for n, target in STEP_TARGETS.items():
             right.plot([n], [target], marker="_", markersize=20, color="black")
-    right.set_title(f"training step of {MODEL} (forward, backward, AdamW)", fontsize="medium")
-    right.set_xlabel("tokens (batch 1)")
-    right.set_ylabel("speedup over the unmodified model")
-    for axes in (left, right):
+        right.set_title(f"training step of {MODEL} (forward, backward, AdamW)", fontsize="medium")
+        right.set_xlabel("tokens (batch 1)")
+        right.set_ylabel("speedup over the unmodified model")
+    for axes in axes_list[0]:
         axes.set_xscale("log", base=2)
         axes.axhline(1.0, color="gray", linewidth=0.8)
         axes.grid(alpha=0.3)
@@ -537,6 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", help="where the proxy is built (default: the user cache)")
     parser.add_argument("--minilm-16k", help="a built minilm-l6-16k folder (../shared/models/build.py)")
     parser.add_argument("--output", type=Path, default=Path("results/bench_training.json"))
+    parser.add_argument(
+        "--summarise",
+        nargs="+",
+        type=Path,
+        help="no measuring: merge these results files into one plot at --output's .png, print them",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--attention-memory", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -549,6 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         method, n, dtype = args.attention_memory
         print(attention_memory(method, int(n), dtype), flush=True)
+        return 0
+    if args.summarise:
+        merged: dict[str, Any] = {}
+        for path in args.summarise:
+            merged = {**json.loads(path.read_text(encoding="utf-8")), **merged}
+        print_tables(merged)
+        plot(merged, args.output.with_suffix(".png"))
+        print(f"wrote {args.output.with_suffix('.png')}")
         return 0
     lengths = args.lengths + args.train_lengths
     if args.repeats < 1 or args.train_repeats < 1 or args.threads < 1 or min(lengths) < 1:
