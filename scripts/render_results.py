@@ -1228,8 +1228,10 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "demo_plus/results.md": ("the full-size demo run's own tables", FIDELITY),
     "demo_plus/scores.png": ("the full-size demo run's plot", FIDELITY),
     "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
-    "bench_training_zen4/attention.png": ("the plot of the training-call-zen4 run", BENCHMARKS),
-    "bench_training_zen4/step.png": ("the plot of the training-step-zen4 run", BENCHMARKS),
+    "bench_training_zen4/training.png": (
+        "the plot of the training-call-zen4 and training-step-zen4 runs (bench_training.py --summarise)",
+        BENCHMARKS,
+    ),
     "demo_plus_articles/results.md": ("the articles run's own tables", FIDELITY),
     "fidelity_glue25/results.md": ("that run's own tables", FIDELITY),
     "fidelity_glue25/scores.png": ("that run's plot", FIDELITY),
