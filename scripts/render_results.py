@@ -1202,7 +1202,7 @@ TABLES: tuple[Table, ...] = (
     Table(
         "training-call-zen4",
         ("bench_training_zen4/attention.json",),
-        (README, BENCHMARKS),
+        (BENCHMARKS,),
         "python scripts/bench_training.py --parts attention --repeats 3 --output FILE",
         training_call_table,
     ),
