@@ -61,7 +61,7 @@ def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float:
 
 def test_results_schema_and_ratios_from_the_same_run(tiny_bench, tmp_path):
     output = tmp_path / "training.json"
-    argv = ["--lengths", "32", "48", "--dtypes", "fp32", "--repeats", "2", "--train-lengths", "40"]
+    argv = ["--lengths", "32", "48", "--dtypes", "fp32", "--repeats", "3", "--train-lengths", "40"]
     argv += ["--train-repeats", "3", "--profile-lengths", "40", "--no-memory", "--output", str(output)]
     assert tiny_bench.main(argv) == 0
     result = json.loads(output.read_text())
@@ -76,7 +76,7 @@ def test_results_schema_and_ratios_from_the_same_run(tiny_bench, tmp_path):
     assert [(r["n"], r["method"]) for r in rows] == [(n, m) for n in (32, 48) for m in tiny_bench.METHODS]
     for row in rows:
         sdpa = next(r for r in rows if r["n"] == row["n"] and r["method"] == "sdpa")
-        assert len(row["times_ms"]) == 2  # one time per round, every method in every round
+        assert len(row["times_ms"]) == 3  # one time per round, every method in every round
         assert row["speedup_vs_sdpa"] == pytest.approx(ratio_of_medians(sdpa["times_ms"], row["times_ms"]))
         assert row["forward_ms"] > 0 and row["backward_ms"] > 0
         assert "target_speedup" not in row  # no target at these lengths
