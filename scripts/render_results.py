@@ -404,6 +404,107 @@ def long_context_table(results: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# scripts/bench_training.py
+
+
+def verdict(value: float, target: float, met: bool) -> str:
+    """A measured ratio against its target: bold where it is met, "missed" where not."""
+    shown = f"**{times(value)}**" if met else times(value)
+    return f"{shown} (≥ {target:g}×{'' if met else ', missed'})"
+
+
+def training_call_table(results: list[dict]) -> list[str]:
+    """One attention call's forward + backward against SDPA's, with the recording forward's overhead."""
+    (result,) = results
+    attention = result["attention"]
+    kernels = ("kernel-i-clustered", "kernel-i-clustered+")
+    found = {(r["dtype"], r["n"], r["method"]): r for r in attention["rows"]}
+    rows = []
+    for dtype, n in dict.fromkeys((r["dtype"], r["n"]) for r in attention["rows"]):
+        sdpa = found[(dtype, n, "sdpa")]
+        row = [tokens(n), dtype, f"{ms(sdpa['forward_ms'])} + {ms(sdpa['backward_ms'])}"]
+        for method in kernels:
+            r = found[(dtype, n, method)]
+            ratio = r["speedup_vs_sdpa"]
+            shown = (
+                verdict(ratio, r["target_speedup"], r["target_met"])
+                if "target_speedup" in r
+                else times(ratio)
+            )
+            row.append(f"{ms(r['forward_ms'])} + {ms(r['backward_ms'])}: {shown}")
+        row.append(joined([f"{found[(dtype, n, m)]['record_over_infer']:.2f}" for m in kernels]))
+        peaks = [found[(dtype, n, m)]["peak_mib"] for m in ("sdpa", *kernels)]
+        row.append("" if None in peaks else joined([f"{p:,.0f}" for p in peaks]))
+        rows.append(row)
+    header = [
+        "N",
+        "dtype",
+        "SDPA fwd + bwd ms",
+        "i-clustered fwd + bwd ms: × SDPA",
+        "i-clustered+ fwd + bwd ms: × SDPA",
+        f"recording / inference forward (≤ {result['targets']['record_over_infer_at_most']}×)",
+        "peak MiB SDPA / i-c / i-c+",
+    ]
+    shape, settings = attention["shape"], attention["settings"]
+    load = result["machine"]
+    caption = (
+        f"{machine_line(result)}; {load['threads']} threads; 1 × {shape['heads']} × N × {shape['head_dim']}, "
+        f"C = {settings['clusters']}, k = {settings['topk']}, min_length 0; {attention['timing']}; "
+        f"load average {load['load_average_before'][0]:.1f} before, "
+        f"{load['load_average_after_attention'][0]:.1f} after (a shared machine); {result['date'][:10]}."
+    )
+    return table(header, "rlrrrrr", rows) + ["", caption]
+
+
+def training_step_table(results: list[dict]) -> list[str]:
+    """A whole training step, converted against unmodified, and the bound of a free attention."""
+    (result,) = results
+    step = result["step"]
+    rows = []
+    for r in step["rows"]:
+        speedup = (
+            verdict(r["speedup"], r["target_speedup"], r["speedup_met"])
+            if "target_speedup" in r
+            else times(r["speedup"])
+        )
+        memory = ""
+        if "sdpa_extra_mib" in r and "patched_extra_mib" in r:
+            memory = f"{r['sdpa_extra_mib']:,.0f} / {r['patched_extra_mib']:,.0f}"
+            memory += "" if r["memory_met"] else " (higher)"
+        rows.append(
+            [
+                tokens(r["length"]),
+                f"{r['sdpa_s']:.2f}",
+                f"{r['patched_s']:.2f}",
+                speedup,
+                f"{r['free_s']:.2f}",
+                times(r["bound"]),
+                f"{r['sdpa_attention_s']:.2f} / {r['patched_attention_s']:.2f}",
+                memory,
+            ]
+        )
+    header = [
+        "tokens",
+        "unmodified s/step",
+        "converted s/step",
+        "speedup (target)",
+        "attention free s/step",
+        "bound: unmodified / free",
+        "attention s/step unmodified / converted",
+        "peak MiB unmodified / converted",
+    ]
+    machine = result["machine"]
+    load = f"{machine['load_average_before'][0]:.1f} before, {machine['load_average_after'][0]:.1f} after"
+    caption = (
+        f"{step['model']}, {step['head']}, batch 1, {step['dtype']}, train mode, attention dropout "
+        f"{step['attention_dropout']}, {step['optimiser']}, convert's {step['convert']}; {step['timing']}; "
+        f"attention = the step less the attention-free step; {machine_line(result)}, "
+        f"{machine['threads']} threads, load average {load}; {result['date'][:10]}."
+    )
+    return table(header, "rrrrrrrr", rows) + ["", caption]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # scripts/bench_peers.py (bert-cluster against ONNX Runtime, OpenVINO and torch, whole model)
 
 PEER_METHODS = ("torch", "onnx", "openvino", "bert-cluster", "bert-cluster-bf16")
@@ -1098,6 +1199,21 @@ TABLES: tuple[Table, ...] = (
         "-o DIR",
         tune_table,
     ),
+    Table(
+        "training-call-zen4",
+        ("bench_training_zen4/attention.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_training.py --parts attention --repeats 3 --output FILE",
+        training_call_table,
+    ),
+    Table(
+        "training-step-zen4",
+        ("bench_training_zen4/step.json",),
+        (README, BENCHMARKS),
+        "python scripts/bench_training.py --parts step --train-repeats 2 --minilm-16k OUT/minilm-l6-16k "
+        "--output FILE",
+        training_step_table,
+    ),
 )
 
 #: Files kept under docs/results/ that no table renders: the pages show them as images or link them.
@@ -1112,6 +1228,10 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "demo_plus/results.md": ("the full-size demo run's own tables", FIDELITY),
     "demo_plus/scores.png": ("the full-size demo run's plot", FIDELITY),
     "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
+    "bench_training_zen4/training.png": (
+        "the plot of the training-call-zen4 and training-step-zen4 runs (bench_training.py --summarise)",
+        BENCHMARKS,
+    ),
     "demo_plus_articles/results.md": ("the articles run's own tables", FIDELITY),
     "fidelity_glue25/results.md": ("that run's own tables", FIDELITY),
     "fidelity_glue25/scores.png": ("that run's plot", FIDELITY),
