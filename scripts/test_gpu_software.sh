@@ -30,7 +30,7 @@ import tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if not d.startswith(("torch", "transformers"))))')
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "transformers==$FLOOR" "${DEPS[@]}" \
-    "pytest>=8" "hypothesis>=6.100" ninja setuptools wheel
+    "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" ninja setuptools wheel
   echo "$want" >"$VENV/.tested-with"
 fi
 "$VENV/bin/python" -c 'import sys, torch, transformers; print("test_gpu_software: python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__)'

@@ -8,8 +8,10 @@ and the converted model compute comparable things.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -184,6 +186,9 @@ def test_hf_trainer_runs_a_converted_model(tmp_path):
     assert losses[-1] < losses[0]
 
 
+_DDP_TIMEOUT_S = 120  # one run takes about 15 s on 2 Zen 4 cores
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,23 +196,32 @@ def _free_port() -> int:
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Gloo on loopback, every wait bounded, and the DDP model freed while the group is whole: seen in CI
+    # and reproduced with the host name resolving to another interface, a rank hung on its way out
+    # (tearing down the model's reducer after its peer had gone), and gloo's default wait is 30 minutes.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = datetime.timedelta(seconds=_DDP_TIMEOUT_S)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        weights = _ddp_train(rank, world)
+        if rank == 0:
+            torch.save(weights, out)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _ddp_train(rank: int, world: int) -> dict[str, torch.Tensor]:
     model = torch.nn.parallel.DistributedDataParallel(_converted_model())
     optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
     batch = _batch(rows=4, width=60)
     share = {k: v[rank::world] for k, v in batch.items()}
-    losses = []
     for _ in range(3):
         optimiser.zero_grad()
-        loss = model(**share).loss
-        loss.backward()
+        model(**share).loss.backward()
         optimiser.step()
-        losses.append(loss.detach())
-    if rank == 0:
-        torch.save({k: v.detach() for k, v in model.module.state_dict().items()}, out)
-    torch.distributed.destroy_process_group()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
 def _converted_model():
@@ -220,7 +234,13 @@ def _converted_model():
 def test_ddp_on_two_processes_matches_one_process(tmp_path):
     _kernels_or_skip()
     out = str(tmp_path / "ddp.pt")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    workers = mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=False)
+    deadline = time.monotonic() + 3 * _DDP_TIMEOUT_S
+    while not workers.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail(f"the two DDP workers did not finish within {3 * _DDP_TIMEOUT_S} s")
     ddp_weights = torch.load(out)
     # One process, the whole batch: DDP averages the two halves' gradients, which equals the gradient of
     # the mean loss over the batch when the halves have equal size (the classification loss is a mean).
