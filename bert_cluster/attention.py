@@ -95,6 +95,7 @@ def clustered_attention(
     *,
     scaling: float | None = None,
     layer: int = 0,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """(Improved) clustered self-attention.
 
@@ -104,6 +105,9 @@ def clustered_attention(
         config: the settings; defaults to ``ClusteredAttentionConfig()`` (i-clustered, C=25, k=32).
         scaling: softmax temperature, ``1/sqrt(Dk)`` by default.
         layer: the layer index, which selects this layer's stream of random hash planes.
+        dropout: attention dropout probability (training; transformers passes 0 in eval): the centroids'
+            weights are dropped per (centroid, key), each query's top-k weights per (query, key) and short
+            rows' weights as in exact attention. The masks come from torch's default generator.
 
     Returns:
         ``(R, H, N, Dv)`` in the input dtype. Short rows (at most C valid tokens, or fewer than
@@ -116,14 +120,41 @@ def clustered_attention(
     _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    dropout = _check_dropout(dropout)
     if query.shape[:-1].numel() == 0:  # no rows, heads or tokens: an empty result, as SDPA gives
         return query.new_zeros(*query.shape[:-1], value.shape[-1])
+    seed = dropout_seed() if dropout else 0
     if torch.compiler.is_compiling():
         # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
         if valid is None:
             valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
-        return _clustered_attention_op(query, key, value, valid, *_config_args(config), scaling, layer)
-    return _route(query, key, value, valid, config, scaling, layer)
+        return _clustered_attention_op(
+            query, key, value, valid, *_config_args(config), scaling, layer, dropout, seed
+        )
+    return _route(query, key, value, valid, config, scaling, layer, dropout, seed)
+
+
+def _check_dropout(dropout: float) -> float:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1) (a probability; 1 drops every weight), got {dropout}")
+    return float(dropout)
+
+
+def dropout_seed() -> int:
+    """One draw from torch's default generator: the seed of a call's dropout masks.
+
+    Drawn once per call, so that ``torch.manual_seed`` fixes every mask, and passed on as a number, so that
+    a forward computed again for the backward (torch.compile's op, gradient checkpointing) drops the
+    same weights.
+    """
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def dropout_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The generator a call's dropout masks are drawn from, in a fixed order (see ``dropout_seed``)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 # --- routing ---------------------------------------------------------------------------------------
@@ -222,11 +253,13 @@ def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
     )
 
 
-def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
+def _route(query, key, value, valid, config, scaling, layer, dropout=0.0, seed=0) -> torch.Tensor:
     """Short rows to SDPA, the rest through the paper's steps on the chosen backend, per row settings."""
     plan = _plan(query, key, value, valid, config, scaling)
     backend = plan.backend
     rows, _, length, _ = query.shape
+    generator = dropout_generator(seed, query.device) if dropout else None
+    drop = {"dropout": dropout, "generator": generator}
     if valid is None and plan.groups:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
 
@@ -234,21 +267,20 @@ def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
         return tensor if len(members) == rows else tensor.index_select(0, plan.index(members))
 
     if len(plan.short) == rows:
-        return exact_rows(query, key, value, valid, plan.short_lengths, plan.short_prefix, scaling)
+        return exact_rows(query, key, value, valid, plan.short_lengths, plan.short_prefix, scaling, **drop)
     if len(plan.groups) == 1 and not plan.short:
         _, clusters, topk = plan.groups[0]
-        return _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer).to(
-            query.dtype
-        )
+        out = _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer, **drop)
+        return out.to(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype, device=query.device)
     for members, clusters, topk in plan.groups:
         q, k, v, ok = (part(t, members) for t in (query, key, value, valid))
-        result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer)
+        result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer, **drop)
         out = out.index_copy(0, plan.index(members), result.to(query.dtype))
     if plan.short:
         q, k, v = (part(t, plan.short) for t in (query, key, value))
         ok = None if valid is None else part(valid, plan.short)
-        result = exact_rows(q, k, v, ok, plan.short_lengths, plan.short_prefix, scaling)
+        result = exact_rows(q, k, v, ok, plan.short_lengths, plan.short_prefix, scaling, **drop)
         out = out.index_copy(0, plan.index(plan.short), result)
     return out
 
@@ -261,6 +293,8 @@ def exact_rows(
     lengths: list[int],
     prefix: bool,
     scaling: float,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Exact attention through torch's SDPA over each row's valid keys only, in the input dtype.
 
@@ -268,12 +302,12 @@ def exact_rows(
     first (right padding), so that slicing replaces gathering. Rows are packed to the longest valid length
     L: the work is at most (rows x L x L), never the padded N x N, and padded positions are zeroed
     before SDPA sees them (an attention mask alone would still let ``nan`` through: ``nan + -inf``).
-    Padded queries get zeros.
+    Padded queries get zeros. With ``dropout`` (training), the masks come from ``generator``.
     """
     rows, heads, length, _ = query.shape
     longest = max(lengths, default=0)
     if valid is None or min(lengths, default=length) == length:  # no padding (or no rows)
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling)
+        return _sdpa(query, key, value, None, scaling, dropout, generator)
     out_shape = (rows, heads, length, value.shape[-1])
     if longest == 0:
         return query.new_zeros(out_shape)
@@ -294,13 +328,31 @@ def exact_rows(
         keep = kept[:, None, :, None]
         q, k, v = (torch.where(keep, t, 0) for t in (q, k, v))
         mask = kept[:, None, None, :]
-    packed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    packed = _sdpa(q, k, v, mask, scaling, dropout, generator)
     if mask is not None:
         packed = torch.where(keep, packed, 0)
     if order is None:  # right padding: the padded tail gets zeros
         return torch.nn.functional.pad(packed, (0, 0, 0, length - longest))
     index = order[:, None, :, None].expand(-1, heads, -1, packed.shape[-1])
     return query.new_zeros(out_shape).scatter(2, index, packed)
+
+
+def _sdpa(query, key, value, mask, scaling, dropout, generator) -> torch.Tensor:
+    """SDPA; with dropout, the same product written out, its mask drawn from ``generator``.
+
+    (SDPA's own dropout draws from torch's default generator, which a forward computed again for the
+    backward could not repeat: ``dropout_seed``.)
+    """
+    if not dropout:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(query, key, value, attn_mask=mask, scale=scaling)
+    from bert_cluster import reference
+
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    if mask is not None:  # a row with no valid key keeps finite scores (its queries are zeroed after)
+        scores = scores.masked_fill(~mask & mask.any(-1, keepdim=True), -math.inf)
+    weights = reference.attention_dropout(torch.softmax(scores, dim=-1), dropout, generator)
+    return torch.matmul(weights.to(value.dtype), value)
 
 
 def windowed_attention(
@@ -312,20 +364,28 @@ def windowed_attention(
     config: ClusteredAttentionConfig | None = None,
     *,
     scaling: float | None = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """Exact attention inside a band of ``window`` positions on each side (sliding-window layers).
 
     Same layout and padding rules as ``clustered_attention``; O(N * window) on every backend
     (``reference.banded_attention`` and the ``banded_attention`` op), where SDPA under a band mask costs N^2.
+    ``dropout`` (training) drops the band's weights; that pass runs the reference, whose autograd is the
+    op's backward anyway.
     """
-    from bert_cluster import dispatch
+    from bert_cluster import dispatch, reference
 
+    dropout = _check_dropout(dropout)
     config = config or ClusteredAttentionConfig()
     _check_inputs(query, key, value, valid, "windowed_attention")
     rows, _, length, head_dim = query.shape
     if valid is None:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    if dropout:
+        generator = dropout_generator(dropout_seed(), query.device)
+        out = reference.banded_attention(query, key, value, valid, int(window), scaling, dropout, generator)
+        return out.to(query.dtype)
     backend = dispatch.select_backend(config.backend, query, key, value)
     return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
 
@@ -372,6 +432,8 @@ def _clustered_attention_op(
     backend: str,
     scaling: float,
     layer: int,
+    dropout: float,
+    dropout_seed: int,
 ) -> torch.Tensor:
     """``clustered_attention`` as one opaque op, which is what torch.compile sees.
 
@@ -382,7 +444,8 @@ def _clustered_attention_op(
     settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
     if settings["min_length"] != AUTO:
         settings["min_length"] = int(settings["min_length"])
-    return _route(query, key, value, valid, ClusteredAttentionConfig(**settings), scaling, layer)
+    config = ClusteredAttentionConfig(**settings)
+    return _route(query, key, value, valid, config, scaling, layer, dropout, dropout_seed)
 
 
 @_clustered_attention_op.register_fake
@@ -409,11 +472,14 @@ def _clustered_attention_backward_op(
     backend: str,
     scaling: float,
     layer: int,
+    dropout: float,
+    dropout_seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient of ``_clustered_attention_op``: its forward again, eagerly, and the steps' backward.
 
     Opaque to torch.compile as the forward is (the routing reads the mask on the host), so a compiled
-    training step recomputes the attention in its backward, as gradient checkpointing would.
+    training step recomputes the attention in its backward, as gradient checkpointing would (with the
+    forward's dropout masks: they come from ``dropout_seed``).
     """
     values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
     settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
@@ -425,7 +491,7 @@ def _clustered_attention_backward_op(
     # The recomputed forward's steps record autograd, whose registered backwards then give the gradient.
     with ops.autograd_inside_an_op():
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-        out = _route(*leaves, valid, config, scaling, layer)
+        out = _route(*leaves, valid, config, scaling, layer, dropout, dropout_seed)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True))
 
@@ -452,13 +518,17 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 # --- the paper's steps -------------------------------------------------------------------------------
 
 
-def _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer) -> torch.Tensor:
+def _clustered(
+    backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, generator=None
+) -> torch.Tensor:
     """The paper's steps on rows that are all longer than ``clusters``: float32 output.
 
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
-    result as the steps one by one (``composed_heads``).
+    result as the steps one by one (``composed_heads``). With attention dropout, ``dropped``.
     """
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
+    if dropout:
+        return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, generator)
     fused = getattr(backend, "clustered_heads", None)
     # The fused op has no backward: a pass that records gradients composes the steps, each of which has one.
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
@@ -544,6 +614,36 @@ def _composed(backend, queries, keys, values, valid, planes, offsets, *settings)
     return backend.topk_refine(
         queries, keys, values, p.assignments, p.centroid_values, p.topk_indices, p.topk_mass,
         p.topk_values, scaling,
+    )  # fmt: skip
+
+
+def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout) -> torch.Tensor:
+    """The steps with attention dropout (training): the partition on ``backend``, the weights in PyTorch.
+
+    The clusters and their top-k keys are chosen as without dropout. The centroids' attention over the
+    other keys is dropped per (centroid, key) (``reference.centroid_rest``, one C x N product per head)
+    and each query's top-k weights per (query, key); both run the reference (autograd gives the gradient),
+    as no kernel takes a dropout mask yet.
+    """
+    from bert_cluster import reference
+
+    *settings, dropout, generator = settings_and_dropout
+    clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
+    p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
+    rest = reference.centroid_rest(
+        p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, generator
+    )
+    if mode == "clustered":
+        return backend.broadcast_clusters(rest, p.assignments)
+    nothing = torch.zeros_like(rest)  # the top-k part already left out of ``rest``
+    if mode == "i-clustered+":
+        return reference.refine_with_query_mass(
+            queries, keys, values, valid, p.assignments, p.centroids, rest, p.topk_indices,
+            p.topk_mass, nothing, scaling, dropout, generator,
+        )  # fmt: skip
+    return reference.topk_refine(
+        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
+        dropout, generator,
     )  # fmt: skip
 
 

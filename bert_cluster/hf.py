@@ -67,7 +67,6 @@ TESTED_FAMILIES = SUPPORTED_FAMILIES + ROUTED_FAMILIES
 
 logger = logging.getLogger(__name__)
 _registered = False
-_warned_dropout = False
 _index_lock = threading.Lock()
 
 
@@ -279,7 +278,6 @@ def attention_forward(
 
     A ``sliding_window`` keyword (flash convention: half window + 1) makes the layer a banded one.
     """
-    global _warned_dropout
     config, original = settings_of(module.config)
     wants_weights = kwargs.get("output_attentions")
     if wants_weights is None:  # the config only when the call does not say (reading it costs microseconds)
@@ -298,17 +296,18 @@ def attention_forward(
             module, original, query, key, value, attention_mask, half_window,
             {**kwargs, "scaling": scaling, "dropout": dropout},
         )  # fmt: skip
-    if dropout > 0 and not _warned_dropout:
-        logger.warning("clustered attention applies no attention dropout yet: the model trains without it")
-        _warned_dropout = True
     if key.shape[1] != heads:  # grouped-query attention: each key/value head serves a group of query heads
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
     valid = valid_from_mask(attention_mask, batch, length)
     if half_window is not None:
-        out = windowed_attention(query, key, value, valid, half_window, config, scaling=scaling)
+        out = windowed_attention(
+            query, key, value, valid, half_window, config, scaling=scaling, dropout=dropout
+        )
     else:
-        out = clustered_attention(query, key, value, valid, config, scaling=scaling, layer=layer)
+        out = clustered_attention(
+            query, key, value, valid, config, scaling=scaling, layer=layer, dropout=dropout
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

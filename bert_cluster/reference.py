@@ -64,6 +64,21 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     return torch.where(visible.any(-1, keepdim=True), weights, 0.0)
 
 
+def attention_dropout(
+    weights: torch.Tensor, dropout: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Attention dropout: each weight kept with probability ``1 - dropout``, scaled by ``1 / (1 - dropout)``.
+
+    The mask is drawn from ``generator`` (torch's default when None), one number per weight, so the same
+    generator state gives the same mask (a recomputed forward, as in gradient checkpointing, drops the
+    same weights).
+    """
+    if dropout == 0.0:
+        return weights
+    draws = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=torch.float32)
+    return torch.where(draws >= dropout, weights / (1.0 - dropout), 0.0)
+
+
 def _zero_padding(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``(R, H, N, D)`` float32 with the padded positions of ``valid`` ``(R, N)`` set to exactly 0."""
     return torch.where(valid[:, None, :, None], _wide(tensor), 0.0)
@@ -239,6 +254,33 @@ def centroid_attention_with_topk(
     return _attend_centroids(_centroid_scores(centroids, keys, scaling), values, valid, topk_indices)
 
 
+def centroid_rest(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``Vc_j - Vtop_j``, the centroid's attention over the keys outside its top-k, with attention dropout.
+
+    In training, the centroid's weights are dropped per (centroid, key): the queries of a cluster, which
+    share the centroid's attention row, share its dropout mask on that row (a query's own top-k weights
+    are dropped per query, in ``topk_refine``). Float32 ``(R, H, C, Dv)``; O(C N) per head.
+    """
+    check_head_dims(centroids, keys)
+    weights = _masked_softmax(_centroid_scores(centroids, keys, scaling), valid[:, None, None, :])
+    picked = topk_indices >= 0
+    if topk_indices.shape[-1]:
+        # A count per key, not a scatter of booleans: a -1 slot lands on key 0 too and must not unmark it.
+        hits = torch.zeros(weights.shape, dtype=torch.int32, device=weights.device)
+        hits = hits.scatter_add(-1, topk_indices.clamp(min=0), picked.int())
+        weights = weights.masked_fill(hits > 0, 0.0)
+    return torch.matmul(attention_dropout(weights, dropout, generator), _zero_padding(values, valid))
+
+
 def _centroid_scores(centroids: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     return torch.matmul(_wide(centroids), _wide(keys).transpose(-1, -2)) * scaling
 
@@ -279,11 +321,15 @@ def topk_refine(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Each query's output with its cluster's top-k keys recomputed exactly.
 
     ``V_hat_i = (Vc_j - Vtop_j) + m_j * sum_{l in T_j} softmax_l(q_i . K_l * scaling) V_l`` for query i in
-    cluster j. Returns float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
+    cluster j. Returns float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros. ``dropout``
+    (training) drops each query's top-k weights (``attention_dropout``); the clustered part comes in
+    already dropped (``centroid_rest``).
     """
     check_head_dims(queries, keys)
     member = assignments >= 0
@@ -292,7 +338,7 @@ def topk_refine(
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
     top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
     scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
-    weights = _masked_softmax(scores, slot)
+    weights = attention_dropout(_masked_softmax(scores, slot), dropout, generator)
     mass = topk_mass.gather(2, cluster)
     top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
@@ -328,6 +374,8 @@ def banded_attention(
     valid: torch.Tensor,
     window: int,
     scaling: float,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention inside a band: query i sees key j iff ``|i - j| <= window`` and j is valid.
 
@@ -337,7 +385,7 @@ def banded_attention(
     O(N * window), never O(N^2). Returns float32 ``(R, H, N, Dv)``; padded queries, and queries with no
     valid key in their band, get zeros. A non-finite value (NaN or inf) of a valid key gives NaN in the
     matching output element of exactly the queries whose band holds that key, and of no other query of
-    its block.
+    its block. ``dropout`` (training) drops the band's weights (``attention_dropout``).
     """
     check_head_dims(queries, keys)
     rows, heads, n, dk = queries.shape
@@ -365,7 +413,7 @@ def banded_attention(
     in_band = (query_pos - key_pos).abs() <= window  # (blocks, block, span); out-of-range keys fail below
     key_valid = torch.nn.functional.pad(valid, (window, window + tail), value=False).unfold(1, span, block)
     visible = in_band & key_valid[:, None, :, None, :]  # (R, 1, blocks, block, span)
-    weights = _masked_softmax(scores, visible)
+    weights = attention_dropout(_masked_softmax(scores, visible), dropout, generator)
     out = torch.matmul(weights, v.transpose(-1, -2))
     broken = padded((~finite & valid[:, None, :, None]).float()).unfold(2, span, block)
     seen_broken = torch.matmul(visible.float(), broken.transpose(-1, -2)) > 0  # (R, H, blocks, block, Dv)
@@ -403,7 +451,7 @@ def _cluster_means(queries: torch.Tensor, assignments: torch.Tensor, clusters: i
         assignments.clamp(min=0)
         + clusters * torch.arange(rows * heads, device=queries.device).view(rows, heads, 1)
     )[member]
-    sums = torch.zeros(rows * heads * clusters, dk, dtype=torch.float32, device=queries.device)
+    sums = torch.zeros(rows * heads * clusters, dk, dtype=queries.dtype, device=queries.device)
     sums.index_add_(0, slot, queries[member])
     counts = torch.zeros(rows * heads * clusters, dtype=torch.float32, device=queries.device)
     counts.index_add_(0, slot, torch.ones_like(slot, dtype=torch.float32))
@@ -432,8 +480,9 @@ def lloyd_refine(
         iterations: Lloyd rounds (0 only computes the means).
 
     Returns:
-        ``assignments`` int64 ``(R, H, N)``; ``centroids`` float32 ``(R, H, C, Dk)``, the means of the
-        final clusters (what ``group_queries`` gives for them); ``counts`` float32 ``(R, H, C)``.
+        ``assignments`` int64 ``(R, H, N)``; ``centroids`` float32 (float64 for float64 queries)
+        ``(R, H, C, Dk)``, the means of the final clusters (what ``group_queries`` gives for them);
+        ``counts`` float32 ``(R, H, C)``.
     """
     q = queries.float()
     member = assignments >= 0
@@ -447,6 +496,8 @@ def lloyd_refine(
             break
         assignments = nearest
         centroids, counts = _cluster_means(q, assignments, clusters)
+    if queries.dtype == torch.float64:  # gradcheck's precision: the final means in it too
+        centroids, counts = _cluster_means(queries, assignments, clusters)
     return assignments, centroids, counts
 
 
@@ -462,6 +513,8 @@ def refine_with_query_mass(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
+    dropout: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``topk_refine`` with each query's own share of attention on its cluster's top-k keys.
 
@@ -488,6 +541,7 @@ def refine_with_query_mass(
         centroids: float32 ``(R, H, C, Dk)``, the query centroids the top-k were chosen with.
         centroid_values, topk_indices, topk_mass, topk_values: from ``centroid_attention``.
         scaling: the softmax temperature ``s``.
+        dropout, generator: attention dropout in training, as in ``topk_refine``.
 
     Returns:
         float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
@@ -535,6 +589,7 @@ def refine_with_query_mass(
     odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
+    weights = attention_dropout(weights, dropout, generator)
     top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)

@@ -1,8 +1,8 @@
 """Training a converted model (issue 38): gradients through the kernels, optimiser steps, the ecosystem's
 tools (HF Trainer, gradient checkpointing, torch.compile of a step, bf16 autocast, DDP on gloo).
 
-Tiny random BERTs with attention dropout off (the patched attention applies none yet), so that the exact
-and the converted model compute comparable things.
+Tiny random BERTs with attention dropout off (its masks differ between the exact and the converted
+model: tests/test_dropout.py tests it), so that the two compute comparable things.
 """
 
 from __future__ import annotations
