@@ -107,7 +107,8 @@ def clustered_attention(
         layer: the layer index, which selects this layer's stream of random hash planes.
         dropout: attention dropout probability (training; transformers passes 0 in eval): the centroids'
             weights are dropped per (centroid, key), each query's top-k weights per (query, key) and short
-            rows' weights as in exact attention. The masks come from torch's default generator.
+            rows' weights as in exact attention. The masks come from one draw of torch's default generator
+            (``dropout_seed``).
 
     Returns:
         ``(R, H, N, Dv)`` in the input dtype. Short rows (at most C valid tokens, or fewer than
@@ -147,14 +148,15 @@ def dropout_seed() -> int:
 
     Drawn once per call, so that ``torch.manual_seed`` fixes every mask, and passed on as a number, so that
     a forward computed again for the backward (torch.compile's op, gradient checkpointing) drops the
-    same weights.
+    same weights. The masks themselves are hashes of the seed and the weights' positions
+    (``reference.dropout_uniforms``).
     """
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def dropout_generator(seed: int, device: torch.device) -> torch.Generator:
-    """The generator a call's dropout masks are drawn from, in a fixed order (see ``dropout_seed``)."""
-    return torch.Generator(device=device).manual_seed(seed)
+def _part_seed(seed: int, part: int) -> int:
+    """The seed of one part of a call (a group of rows, the short rows): its row numbers are its own."""
+    return (seed + part * _GOLDEN) % 2**62
 
 
 # --- routing ---------------------------------------------------------------------------------------
@@ -258,8 +260,10 @@ def _route(query, key, value, valid, config, scaling, layer, dropout=0.0, seed=0
     plan = _plan(query, key, value, valid, config, scaling)
     backend = plan.backend
     rows, _, length, _ = query.shape
-    generator = dropout_generator(seed, query.device) if dropout else None
-    drop = {"dropout": dropout, "generator": generator}
+
+    def drop(part: int) -> dict:
+        return {"dropout": dropout, "seed": _part_seed(seed, part)}
+
     if valid is None and plan.groups:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
 
@@ -267,20 +271,20 @@ def _route(query, key, value, valid, config, scaling, layer, dropout=0.0, seed=0
         return tensor if len(members) == rows else tensor.index_select(0, plan.index(members))
 
     if len(plan.short) == rows:
-        return exact_rows(query, key, value, valid, plan.short_lengths, plan.short_prefix, scaling, **drop)
+        return exact_rows(query, key, value, valid, plan.short_lengths, plan.short_prefix, scaling, **drop(0))
     if len(plan.groups) == 1 and not plan.short:
         _, clusters, topk = plan.groups[0]
-        out = _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer, **drop)
+        out = _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer, **drop(1))
         return out.to(query.dtype)
     out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype, device=query.device)
-    for members, clusters, topk in plan.groups:
+    for group, (members, clusters, topk) in enumerate(plan.groups, start=1):
         q, k, v, ok = (part(t, members) for t in (query, key, value, valid))
-        result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer, **drop)
+        result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer, **drop(group))
         out = out.index_copy(0, plan.index(members), result.to(query.dtype))
     if plan.short:
         q, k, v = (part(t, plan.short) for t in (query, key, value))
         ok = None if valid is None else part(valid, plan.short)
-        result = exact_rows(q, k, v, ok, plan.short_lengths, plan.short_prefix, scaling, **drop)
+        result = exact_rows(q, k, v, ok, plan.short_lengths, plan.short_prefix, scaling, **drop(0))
         out = out.index_copy(0, plan.index(plan.short), result)
     return out
 
@@ -294,7 +298,7 @@ def exact_rows(
     prefix: bool,
     scaling: float,
     dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Exact attention through torch's SDPA over each row's valid keys only, in the input dtype.
 
@@ -302,12 +306,12 @@ def exact_rows(
     first (right padding), so that slicing replaces gathering. Rows are packed to the longest valid length
     L: the work is at most (rows x L x L), never the padded N x N, and padded positions are zeroed
     before SDPA sees them (an attention mask alone would still let ``nan`` through: ``nan + -inf``).
-    Padded queries get zeros. With ``dropout`` (training), the masks come from ``generator``.
+    Padded queries get zeros. With ``dropout`` (training), the masks are ``seed``'s, by position.
     """
     rows, heads, length, _ = query.shape
     longest = max(lengths, default=0)
     if valid is None or min(lengths, default=length) == length:  # no padding (or no rows)
-        return _sdpa(query, key, value, None, scaling, dropout, generator)
+        return _sdpa(query, key, value, None, scaling, dropout, seed, None)
     out_shape = (rows, heads, length, value.shape[-1])
     if longest == 0:
         return query.new_zeros(out_shape)
@@ -328,7 +332,7 @@ def exact_rows(
         keep = kept[:, None, :, None]
         q, k, v = (torch.where(keep, t, 0) for t in (q, k, v))
         mask = kept[:, None, None, :]
-    packed = _sdpa(q, k, v, mask, scaling, dropout, generator)
+    packed = _sdpa(q, k, v, mask, scaling, dropout, seed, order)
     if mask is not None:
         packed = torch.where(keep, packed, 0)
     if order is None:  # right padding: the padded tail gets zeros
@@ -337,11 +341,12 @@ def exact_rows(
     return query.new_zeros(out_shape).scatter(2, index, packed)
 
 
-def _sdpa(query, key, value, mask, scaling, dropout, generator) -> torch.Tensor:
-    """SDPA; with dropout, the same product written out, its mask drawn from ``generator``.
+def _sdpa(query, key, value, mask, scaling, dropout, seed, positions) -> torch.Tensor:
+    """SDPA; with dropout, the same product written out, its mask ``seed``'s by position.
 
     (SDPA's own dropout draws from torch's default generator, which a forward computed again for the
-    backward could not repeat: ``dropout_seed``.)
+    backward could not repeat: ``dropout_seed``.) ``positions`` ``(R, L)``: the packed tokens' positions
+    in the row (None: 0..L-1).
     """
     if not dropout:
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -351,7 +356,14 @@ def _sdpa(query, key, value, mask, scaling, dropout, generator) -> torch.Tensor:
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if mask is not None:  # a row with no valid key keeps finite scores (its queries are zeroed after)
         scores = scores.masked_fill(~mask & mask.any(-1, keepdim=True), -math.inf)
-    weights = reference.attention_dropout(torch.softmax(scores, dim=-1), dropout, generator)
+    if positions is None:
+        positions = torch.arange(query.shape[2], device=query.device)
+    else:
+        positions = positions[:, None, :]  # (R, 1, L): broadcast over heads
+    weights = torch.softmax(scores, dim=-1)
+    weights = reference.attention_dropout(
+        weights, dropout, seed, positions[..., :, None], positions[..., None, :]
+    )
     return torch.matmul(weights.to(value.dtype), value)
 
 
@@ -383,8 +395,9 @@ def windowed_attention(
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
     if dropout:
-        generator = dropout_generator(dropout_seed(), query.device)
-        out = reference.banded_attention(query, key, value, valid, int(window), scaling, dropout, generator)
+        out = reference.banded_attention(
+            query, key, value, valid, int(window), scaling, dropout, dropout_seed()
+        )
         return out.to(query.dtype)
     backend = dispatch.select_backend(config.backend, query, key, value)
     return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
@@ -519,7 +532,7 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 
 
 def _clustered(
-    backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, generator=None
+    backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
 ) -> torch.Tensor:
     """The paper's steps on rows that are all longer than ``clusters``: float32 output.
 
@@ -528,7 +541,7 @@ def _clustered(
     """
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     if dropout:
-        return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, generator)
+        return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)
     fused = getattr(backend, "clustered_heads", None)
     # The fused op has no backward: a pass that records gradients composes the steps, each of which has one.
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
@@ -627,23 +640,21 @@ def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_an
     """
     from bert_cluster import reference
 
-    *settings, dropout, generator = settings_and_dropout
+    *settings, dropout, seed = settings_and_dropout
     clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    rest = reference.centroid_rest(
-        p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, generator
-    )
+    rest = reference.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, seed)
     if mode == "clustered":
         return backend.broadcast_clusters(rest, p.assignments)
     nothing = torch.zeros_like(rest)  # the top-k part already left out of ``rest``
     if mode == "i-clustered+":
         return reference.refine_with_query_mass(
             queries, keys, values, valid, p.assignments, p.centroids, rest, p.topk_indices,
-            p.topk_mass, nothing, scaling, dropout, generator,
+            p.topk_mass, nothing, scaling, dropout, seed,
         )  # fmt: skip
     return reference.topk_refine(
         queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
-        dropout, generator,
+        dropout, seed,
     )  # fmt: skip
 
 

@@ -64,18 +64,66 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     return torch.where(visible.any(-1, keepdim=True), weights, 0.0)
 
 
+_MASK32 = 0xFFFFFFFF
+#: Streams of dropout masks: the centroids' rows and the queries' rows never share a mask.
+QUERY_STREAM, CENTROID_STREAM = 0, 1
+
+
+def _mul32(x, constant: int):
+    """``x * constant mod 2**32`` for 32-bit values held in int64, in halves so that no product overflows."""
+    low = (x & 0xFFFF) * constant
+    high = (((x >> 16) * constant) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xor-shift-multiply, constants of C. Wellons' "lowbias32"), tensor or int."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_uniforms(
+    seed: int, stream: int, shape: torch.Size, first: torch.Tensor, second: torch.Tensor
+) -> torch.Tensor:
+    """One uniform in [0, 1) per attention weight, a hash of (seed, stream, row, head, first, second).
+
+    ``shape`` is the weights' ``(R, H, ...)``; ``first`` and ``second`` (int64, broadcast to ``shape[2:]``
+    or ``shape``) are the positions of the pair each weight belongs to: (query or centroid, key). A
+    counter-based draw, not a generator's sequence: the same pair gets the same number whatever computes
+    it and in whatever order, so a kernel can draw the same mask in place, and the backward recomputes
+    it from the seed instead of keeping it.
+    """
+    device = first.device
+    key = _mix32(_mix32(stream) ^ ((seed >> 32) & _MASK32))  # on Python ints: the same arithmetic
+    key = _mix32(key ^ (seed & _MASK32))
+    rows, heads = shape[:2]
+    row_head = torch.arange(rows * heads, device=device).view(rows, heads, *([1] * (len(shape) - 2)))
+    h = _mix32(key ^ row_head)
+    h = _mix32(h ^ (first & _MASK32))
+    h = _mix32(h ^ (second & _MASK32))
+    return (h >> 8).float() * (1.0 / (1 << 24))
+
+
 def attention_dropout(
-    weights: torch.Tensor, dropout: float, generator: torch.Generator | None = None
+    weights: torch.Tensor,
+    dropout: float,
+    seed: int,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    stream: int = QUERY_STREAM,
 ) -> torch.Tensor:
     """Attention dropout: each weight kept with probability ``1 - dropout``, scaled by ``1 / (1 - dropout)``.
 
-    The mask is drawn from ``generator`` (torch's default when None), one number per weight, so the same
-    generator state gives the same mask (a recomputed forward, as in gradient checkpointing, drops the
-    same weights).
+    Which weights are dropped is ``dropout_uniforms(seed, stream, ...)`` of their (row, head, first,
+    second) positions: a pair (query i, key l) is dropped or kept the same in every part of the method
+    that weighs it.
     """
     if dropout == 0.0:
         return weights
-    draws = torch.rand(weights.shape, generator=generator, device=weights.device, dtype=torch.float32)
+    draws = dropout_uniforms(seed, stream, weights.shape, first, second)
     return torch.where(draws >= dropout, weights / (1.0 - dropout), 0.0)
 
 
@@ -262,7 +310,7 @@ def centroid_rest(
     topk_indices: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """``Vc_j - Vtop_j``, the centroid's attention over the keys outside its top-k, with attention dropout.
 
@@ -278,7 +326,11 @@ def centroid_rest(
         hits = torch.zeros(weights.shape, dtype=torch.int32, device=weights.device)
         hits = hits.scatter_add(-1, topk_indices.clamp(min=0), picked.int())
         weights = weights.masked_fill(hits > 0, 0.0)
-    return torch.matmul(attention_dropout(weights, dropout, generator), _zero_padding(values, valid))
+    if dropout:
+        centroid = torch.arange(weights.shape[2], device=weights.device)[:, None]
+        key = torch.arange(weights.shape[3], device=weights.device)
+        weights = attention_dropout(weights, dropout, seed, centroid, key, CENTROID_STREAM)
+    return torch.matmul(weights, _zero_padding(values, valid))
 
 
 def _centroid_scores(centroids: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -322,7 +374,7 @@ def topk_refine(
     topk_values: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Each query's output with its cluster's top-k keys recomputed exactly.
 
@@ -338,7 +390,8 @@ def topk_refine(
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
     top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
     scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
-    weights = attention_dropout(_masked_softmax(scores, slot), dropout, generator)
+    query = torch.arange(queries.shape[2], device=queries.device)[:, None]
+    weights = attention_dropout(_masked_softmax(scores, slot), dropout, seed, query, indices)
     mass = topk_mass.gather(2, cluster)
     top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
@@ -375,7 +428,7 @@ def banded_attention(
     window: int,
     scaling: float,
     dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """Exact softmax attention inside a band: query i sees key j iff ``|i - j| <= window`` and j is valid.
 
@@ -413,7 +466,7 @@ def banded_attention(
     in_band = (query_pos - key_pos).abs() <= window  # (blocks, block, span); out-of-range keys fail below
     key_valid = torch.nn.functional.pad(valid, (window, window + tail), value=False).unfold(1, span, block)
     visible = in_band & key_valid[:, None, :, None, :]  # (R, 1, blocks, block, span)
-    weights = attention_dropout(_masked_softmax(scores, visible), dropout, generator)
+    weights = attention_dropout(_masked_softmax(scores, visible), dropout, seed, query_pos, key_pos)
     out = torch.matmul(weights, v.transpose(-1, -2))
     broken = padded((~finite & valid[:, None, :, None]).float()).unfold(2, span, block)
     seen_broken = torch.matmul(visible.float(), broken.transpose(-1, -2)) > 0  # (R, H, blocks, block, Dv)
@@ -514,7 +567,7 @@ def refine_with_query_mass(
     topk_values: torch.Tensor,
     scaling: float,
     dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> torch.Tensor:
     """``topk_refine`` with each query's own share of attention on its cluster's top-k keys.
 
@@ -541,7 +594,7 @@ def refine_with_query_mass(
         centroids: float32 ``(R, H, C, Dk)``, the query centroids the top-k were chosen with.
         centroid_values, topk_indices, topk_mass, topk_values: from ``centroid_attention``.
         scaling: the softmax temperature ``s``.
-        dropout, generator: attention dropout in training, as in ``topk_refine``.
+        dropout, seed: attention dropout in training, as in ``topk_refine``.
 
     Returns:
         float32 ``(R, H, N, Dv)``; padded queries (cluster -1) get zeros.
@@ -589,7 +642,8 @@ def refine_with_query_mass(
     odds = per_query(log_odds + centroid_logz - centroid_rest) - query_logz + query_rest  # log rho_i
     odds = odds.masked_fill(~(indices >= 0).any(-1), math.inf)  # no key to refine: the centroid's row
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
-    weights = attention_dropout(weights, dropout, generator)
+    query = torch.arange(queries.shape[2], device=queries.device)[:, None]
+    weights = attention_dropout(weights, dropout, seed, query, indices)
     top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
