@@ -1,0 +1,95 @@
+"""scripts/long_document_training.py (issue 40, item 3): the split, the verdicts, and a run end to end on a
+small random sentence-transformer with seconds-long budgets."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import save_sentence_transformer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import long_document_training
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return long_document_training
+
+
+def test_the_split_trains_on_articles_1_to_24_and_scores_25_to_48():
+    script = load_script()
+    articles = script.load_articles()
+    pairs, held_out = script.split(articles, eval_every=1, length=4096)
+    cut = [document[: 12 * 4096] for document in articles.documents]
+    training_documents = {document for _, document in pairs}
+    assert training_documents == set(cut[:24])
+    assert set(held_out["corpus"].values()) == set(cut[24:])
+    assert not training_documents & set(held_out["corpus"].values())
+    assert len(pairs) + len(held_out["queries"]) == len(articles.questions)
+    for qid, relevant in held_out["relevant"].items():
+        assert relevant <= set(held_out["corpus"]) and qid in held_out["queries"]
+
+
+def _result(exact: list[tuple[float, float]], clustered: list[tuple[float, float]]) -> dict:
+    def points(rows):
+        return [{"budget": b, "seconds": b, "R@1": r, "MRR@10": r} for b, r in [(0, 10.0), *rows]]
+
+    return {"variants": {"exact": {"points": points(exact)}, "clustered": {"points": points(clustered)}}}
+
+
+@pytest.mark.parametrize(
+    "exact, clustered, every_budget, half_time",
+    [
+        ([(100, 20.0), (200, 30.0)], [(100, 31.0), (200, 40.0)], True, True),  # exact's final 30 by 100 s
+        ([(100, 20.0), (200, 30.0)], [(100, 25.0), (200, 35.0)], True, False),  # 30 only at 200 s
+        ([(100, 20.0), (200, 30.0)], [(100, 19.0), (200, 35.0)], False, False),  # behind at 100 s
+        ([(100, 20.0), (200, 30.0)], [(100, 20.0), (200, 29.0)], False, False),  # never reaches 30
+    ],
+)
+def test_the_verdicts_read_the_scores(exact, clustered, every_budget, half_time):
+    verdicts = load_script().verdicts(_result(exact, clustered))
+    assert verdicts["at_least_exact_at_every_budget"] is every_budget
+    assert verdicts["exact_final_within_half_time"] is half_time
+
+
+@pytest.mark.slow
+def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
+    from transformers import AutoTokenizer
+
+    from bert_cluster.checkpoints import default_model_path
+
+    script = load_script()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    articles = script.load_articles()
+    pairs, _ = script.split(articles, eval_every=1, length=4096)
+    for document in {document for _, document in pairs}:
+        whole = next(d for d in articles.documents if d.startswith(document))
+        kept = tokenizer(document, truncation=True, max_length=4096)["input_ids"]
+        assert kept == tokenizer(whole, truncation=True, max_length=4096)["input_ids"]
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
+    script = load_script()
+    model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
+    output = tmp_path / "out" / "training.json"
+    arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "2", "--eval-every", "60"]
+    arguments += ["--batch-size", "4", "--work", str(tmp_path / "work"), "--output", str(output)]
+    assert script.main(arguments) == 0
+    result = json.loads(output.read_text())
+    for variant in ("exact", "clustered"):
+        run = result["variants"][variant]
+        assert [p["budget"] for p in run["points"]] == [0, 1, 2] and not run["unreached_budgets"]
+        seconds = [p["seconds"] for p in run["points"]]
+        assert seconds == sorted(seconds) and seconds[1] >= 1 and seconds[2] >= 2
+        assert all(0 <= p["R@1"] <= 100 and 0 <= p["MRR@10"] <= 100 for p in run["points"])
+        assert run["curve"] and all(c["loss"] > 0 for c in run["curve"])
+    assert result["verdicts"] == script.verdicts(result)
+    assert output.with_suffix(".md").read_text().count("\n") == 5  # header, rule, budgets 0, 1, 2
+    assert output.with_suffix(".png").stat().st_size > 0
