@@ -240,7 +240,9 @@ def _route(query, key, value, valid, config, scaling, layer) -> torch.Tensor:
         return _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer).to(
             query.dtype
         )
-    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype, device=query.device)
+    # (R, N, H, Dv) memory, as the fused op writes it: transformers' layout (see hf.attention_forward).
+    out = torch.empty(rows, length, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    out = out.transpose(1, 2)
     for members, clusters, topk in plan.groups:
         q, k, v, ok = (part(t, members) for t in (query, key, value, valid))
         result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer)
@@ -382,12 +384,25 @@ def _clustered_attention_op(
     settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
     if settings["min_length"] != AUTO:
         settings["min_length"] = int(settings["min_length"])
-    return _route(query, key, value, valid, ClusteredAttentionConfig(**settings), scaling, layer)
+    out = _route(query, key, value, valid, ClusteredAttentionConfig(**settings), scaling, layer)
+    return _transformers_layout(out)
 
 
 @_clustered_attention_op.register_fake
 def _(query, key, value, valid, *settings):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+    rows, heads, length = query.shape[:-1]
+    return query.new_empty((rows, length, heads, value.shape[-1])).transpose(1, 2)
+
+
+def _transformers_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(R, H, N, D)`` on ``(R, N, H, D)`` memory, the layout the compiled op promises its callers.
+
+    The fused CPU op and CPU SDPA give that already (no copy); other paths are copied into it once.
+    """
+    rows, heads, length, dims = out.shape
+    if out.stride() == (length * heads * dims, dims, heads * dims, 1):
+        return out
+    return out.new_empty((rows, length, heads, dims)).transpose(1, 2).copy_(out)
 
 
 @torch.library.custom_op("bert_cluster::clustered_attention_backward", mutates_args=())

@@ -309,6 +309,7 @@ def attention_forward(
         out = windowed_attention(query, key, value, valid, half_window, config, scaling=scaling)
     else:
         out = clustered_attention(query, key, value, valid, config, scaling=scaling, layer=layer)
+    # No copy for the CPU kernels' result, which is (B, L, H, D) memory already (SDPA's too).
     return out.transpose(1, 2).contiguous(), None
 
 
