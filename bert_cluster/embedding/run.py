@@ -133,13 +133,13 @@ def _check(
 
 
 def _shard_table(
-    documents: Sequence[Document], counts: list[int], vectors: Any, max_length: int, key: str
+    documents: Sequence[Document], tokens: list[int], vectors: Any, max_length: int, key: str
 ) -> Any:
+    """One shard's table; ``tokens`` are the documents' token counts (untruncated)."""
     import numpy as np
     import pyarrow as pa
 
     matrix = np.ascontiguousarray(vectors, dtype=np.float32)
-    tokens = counts
     table = pa.table(
         {
             "id": pa.array([document.id for document in documents], pa.string()),
@@ -316,7 +316,9 @@ def _versions() -> dict[str, str | None]:
     return {name: environment.package_version(name) for name in names}
 
 
-def _shards(documents: Iterator[Document], total: int, shard_size: int, wanted: list[int]) -> Iterator:
+def _shards(
+    documents: Iterator[Document], total: int, shard_size: int, wanted: list[int]
+) -> Iterator[tuple[int, list[Document]]]:
     """``(index, documents)`` of each shard in ``wanted`` (ascending), reading ``documents`` as they come.
 
     The documents of the other shards are read past, not kept; reading stops after the last one wanted.
