@@ -111,6 +111,8 @@ def clustered_attention(
         query positions get zeros; padding never influences a valid output, and NaN/inf in valid inputs
         or in ``scaling`` propagate to the outputs they touch (``bert_cluster.reference`` states the rules).
         R, H or N of 0 gives an empty result, as SDPA does; a head dim Dk of 0 is a ``ValueError``.
+        On the CPU the result is usually a view of ``(R, N, H, Dv)`` memory, as CPU SDPA's is (the layout
+        transformers takes attention's output in): ``.contiguous()`` gives ``(R, H, N, Dv)`` memory.
     """
     config = config or ClusteredAttentionConfig()
     _check_inputs(query, key, value, valid, "clustered_attention")
