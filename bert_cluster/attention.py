@@ -116,6 +116,8 @@ def clustered_attention(
         query positions get zeros; padding never influences a valid output, and NaN/inf in valid inputs
         or in ``scaling`` propagate to the outputs they touch (``bert_cluster.reference`` states the rules).
         R, H or N of 0 gives an empty result, as SDPA does; a head dim Dk of 0 is a ``ValueError``.
+        On the CPU the result is usually a view of ``(R, N, H, Dv)`` memory, as CPU SDPA's is (the layout
+        transformers takes attention's output in): ``.contiguous()`` gives ``(R, H, N, Dv)`` memory.
     """
     config = config or ClusteredAttentionConfig()
     _check_inputs(query, key, value, valid, "clustered_attention")
@@ -276,7 +278,9 @@ def _route(query, key, value, valid, config, scaling, layer, dropout=0.0, seed=0
         _, clusters, topk = plan.groups[0]
         out = _clustered(backend, query, key, value, valid, config, clusters, topk, scaling, layer, **drop(1))
         return out.to(query.dtype)
-    out = torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype, device=query.device)
+    # (R, N, H, Dv) memory, as the fused op writes it: transformers' layout (see hf.attention_forward).
+    out = torch.empty(rows, length, query.shape[1], value.shape[-1], dtype=query.dtype, device=query.device)
+    out = out.transpose(1, 2)
     for group, (members, clusters, topk) in enumerate(plan.groups, start=1):
         q, k, v, ok = (part(t, members) for t in (query, key, value, valid))
         result = _clustered(backend, q, k, v, ok, config, clusters, topk, scaling, layer, **drop(group))
@@ -458,12 +462,26 @@ def _clustered_attention_op(
     if settings["min_length"] != AUTO:
         settings["min_length"] = int(settings["min_length"])
     config = ClusteredAttentionConfig(**settings)
-    return _route(query, key, value, valid, config, scaling, layer, dropout, dropout_seed)
+    return _transformers_layout(
+        _route(query, key, value, valid, config, scaling, layer, dropout, dropout_seed)
+    )
 
 
 @_clustered_attention_op.register_fake
 def _(query, key, value, valid, *settings):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+    rows, heads, length = query.shape[:-1]
+    return query.new_empty((rows, length, heads, value.shape[-1])).transpose(1, 2)
+
+
+def _transformers_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(R, H, N, D)`` on ``(R, N, H, D)`` memory, the layout the compiled op promises its callers.
+
+    The fused CPU op and CPU SDPA give that already (no copy); other paths are copied into it once.
+    """
+    rows, heads, length, dims = out.shape
+    if out.stride() == (length * heads * dims, dims, heads * dims, 1):
+        return out
+    return out.new_empty((rows, length, heads, dims)).transpose(1, 2).copy_(out)
 
 
 @torch.library.custom_op("bert_cluster::clustered_attention_backward", mutates_args=())

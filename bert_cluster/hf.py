@@ -308,6 +308,7 @@ def attention_forward(
         out = clustered_attention(
             query, key, value, valid, config, scaling=scaling, layer=layer, dropout=dropout
         )
+    # No copy for the CPU kernels' result, which is (B, L, H, D) memory already (SDPA's too).
     return out.transpose(1, 2).contiguous(), None
 
 

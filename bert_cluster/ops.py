@@ -301,7 +301,9 @@ def refine_with_query_mass(
 def _clustered_heads_fake(
     queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling
 ):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+    # The kernel writes (R, N, H, Dv) memory, transformers' layout, and returns it as an (R, H, N, Dv) view.
+    rows, heads, length = queries.shape[:-1]
+    return queries.new_empty((rows, length, heads, values.shape[-1]), dtype=torch.float32).transpose(1, 2)
 
 
 def clustered_heads(
@@ -318,7 +320,11 @@ def clustered_heads(
     lloyd_rounds: int,
     scaling: float,
 ) -> torch.Tensor:
-    """Hashing to refinement in one op (see ``attention._clustered``): float32 ``(R, H, N, Dv)``."""
+    """Hashing to refinement in one op (see ``attention._clustered``): float32 ``(R, H, N, Dv)``.
+
+    The result is a view of ``(R, N, H, Dv)`` memory (``.transpose(1, 2)`` of it is contiguous): the layout
+    transformers takes attention's output in, so handing it over costs no copy.
+    """
     _ensure_loaded()
     return _ops.clustered_heads.default(
         queries,

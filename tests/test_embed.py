@@ -143,6 +143,117 @@ def test_embed_equals_sentence_transformer_encode(minilm_dir, corpus, texts, tmp
     assert manifest["this_run"]["documents_per_second"] > 0
 
 
+# --------------------------------------------------------------------------------------------------
+# Streaming: one shard of documents at a time, the output of the whole-corpus implementation
+# --------------------------------------------------------------------------------------------------
+
+
+def whole_corpus_embed(model_dir: Path, path: Path, attention: dict, max_length: int) -> dict:
+    """What ``embed`` wrote before it streamed (main at cad4b64), computed its way as the oracle.
+
+    The whole corpus read (``read_documents``) and tokenised first, ``make_plan`` over every document,
+    then each planned batch encoded: ids, embeddings, token counts, truncation flags and problems.
+    """
+    import torch
+
+    from bert_cluster import hf
+    from bert_cluster.checkpoints import load_sentence_encoder
+    from bert_cluster.embedding import run
+
+    corpus = read_documents(path)
+    model, _ = load_sentence_encoder(model_dir, "cpu")
+    model.max_seq_length = max_length
+    hf.convert(model, config=run._attention_config(attention))
+    texts = [document.text for document in corpus.documents]
+    counts = plan.count_tokens(
+        model.tokenizer, texts, lowercase=bool(getattr(model[0], "do_lower_case", False))
+    )
+    lengths = [min(count, max_length) for count in counts]
+    rows = {}
+    with torch.inference_mode():
+        for shard in plan.make_plan(lengths, SMALL["shard_size"], SMALL["max_tokens_per_batch"]):
+            for batch in shard.batches:
+                vectors = model.encode(
+                    [texts[p] for p in batch],
+                    batch_size=len(batch),
+                    convert_to_tensor=True,
+                    show_progress_bar=False,
+                )
+                rows.update(zip(batch, vectors.float().cpu().numpy(), strict=True))
+    return {
+        "id": [document.id for document in corpus.documents],
+        "embedding": np.stack([rows[p] for p in range(len(texts))]),
+        "tokens": counts,
+        "truncated": [count > max_length for count in counts],
+        "problems": [problem.to_dict() for problem in corpus.problems],
+    }
+
+
+def written(output: Path) -> dict:
+    table = read_output(output)
+    manifest = json.loads((output / "manifest.json").read_text())
+    return {
+        "id": table.column("id").to_pylist(),
+        "embedding": np.stack(table.column("embedding").to_numpy(zero_copy_only=False)),
+        "tokens": table.column("tokens").to_pylist(),
+        "truncated": table.column("truncated").to_pylist(),
+        "problems": manifest["problems"],
+    }
+
+
+def assert_same_output(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        if name == "embedding":
+            assert ours[name].shape == theirs[name].shape
+            assert np.array_equal(ours[name].view(np.uint32), theirs[name].view(np.uint32))  # bit for bit
+        else:
+            assert ours[name] == theirs[name], name
+
+
+def test_streaming_embed_writes_what_the_whole_corpus_implementation_did(minilm_dir, texts, tmp_path):
+    # Problems in the middle (empty, whitespace, not UTF-8) and documents over max_length.
+    lines = [text.encode() for text in texts]
+    lines[3:3] = [b"", b"  \t", b"bad \xff bytes"]
+    docs = tmp_path / "docs.txt"
+    docs.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out"
+    result = bert_cluster.embed(minilm_dir, docs, out, attention=CLUSTERED, max_length=64, **SMALL)
+    oracle = whole_corpus_embed(minilm_dir, docs, CLUSTERED, 64)
+    assert_same_output(written(out), oracle)
+    assert result.truncated == sum(oracle["truncated"]) > 0 and len(result.problems) == 3
+    # Resumed mid-corpus (shards 1 and 3 and the manifest gone): the same output, the same counts.
+    manifest = json.loads((out / "manifest.json").read_text())
+    for name in ("shard-00001.parquet", "shard-00003.parquet", "manifest.json"):
+        (out / name).unlink()
+    resumed = bert_cluster.embed(minilm_dir, docs, out, attention=CLUSTERED, max_length=64, **SMALL)
+    assert resumed.resumed_shards == 2 and resumed.shards == 4
+    assert_same_output(written(out), oracle)
+    assert resumed.truncated == result.truncated
+    assert json.loads((out / "manifest.json").read_text())["counts"] == manifest["counts"]
+
+
+def test_the_first_shard_is_written_before_the_input_is_read_to_its_end(
+    minilm_dir, corpus, tmp_path, monkeypatch
+):
+    from bert_cluster.embedding import documents
+
+    out = tmp_path / "out"
+    on_disk = []  # the shards on disk when each document was read
+    read = documents.Input.documents
+
+    def watched(self):
+        for document in read(self):
+            on_disk.append(len(list(out.glob("shard-*.parquet"))))
+            yield document
+
+    monkeypatch.setattr(documents.Input, "documents", watched)
+    bert_cluster.embed(minilm_dir, corpus, out, exact=True, **SMALL)
+    # Shards of 4 documents: shard n is on disk before document 4n + 1 is read, and no document is read
+    # before it is needed.
+    assert on_disk == [position // 4 for position in range(14)]
+
+
 def test_dense_modules_and_a_plain_encoder_folder(tmp_path):
     import helpers
 
@@ -248,7 +359,7 @@ def test_quiet_still_names_the_skipped_documents(minilm_dir, tmp_path):
 def test_the_lock_is_taken_before_any_work(minilm_dir, corpus, tmp_path, monkeypatch):
     from bert_cluster.embedding import run
 
-    monkeypatch.setattr(run, "read_documents", lambda *a, **k: pytest.fail("input read before the lock"))
+    monkeypatch.setattr(run, "open_documents", lambda *a, **k: pytest.fail("input read before the lock"))
     monkeypatch.setattr(run, "_load", lambda *a, **k: pytest.fail("model loaded before the lock"))
     with store.locked(tmp_path / "out"), pytest.raises(UserError, match="being written by another embed run"):
         bert_cluster.embed(minilm_dir, corpus, tmp_path / "out", exact=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,18 @@ class Corpus:
     fingerprint: str
 
 
+@dataclasses.dataclass
+class Scan:
+    """What a pass over an input finds without keeping its documents: enough to plan and check a run."""
+
+    source: str
+    #: How many documents will be embedded (the records that are no problem).
+    documents: int
+    problems: list[Problem]
+    #: ``Corpus.fingerprint`` of the same input.
+    fingerprint: str
+
+
 def _text_problem(text: Any) -> str | None:
     """Why ``text`` cannot be embedded, or None."""
     if text is None:
@@ -90,59 +103,118 @@ def _text_problem(text: Any) -> str | None:
     return None
 
 
-class _Collector:
-    """Documents and problems as they are read, with repeated ids caught and the content hashed."""
+class _Classifier:
+    """Each record as a ``Document`` or a ``Problem``, with repeated ids caught and the content hashed.
 
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.documents: list[Document] = []
-        self.problems: list[Problem] = []
+    ``unique_ids``: every id is a line or row number (no id field), so none can repeat and none is kept;
+    otherwise every id seen is kept (the one thing a pass keeps per document).
+    """
+
+    def __init__(self, unique_ids: bool = False) -> None:
+        self.unique_ids = unique_ids
         self.first_line: dict[str, int] = {}
         self.digest = hashlib.sha256()
 
-    def add(self, identifier: Any, text: Any, line: int, row: int | None = None) -> None:
+    def record(self, identifier: Any, text: Any, line: int, row: int | None = None) -> Document | Problem:
         """One record; without an id its id is ``row`` (its number among the records), else ``line``."""
         identifier = str(line if row is None else row) if identifier is None else str(identifier)
         reason = _text_problem(text)
         if reason is None and identifier in self.first_line:
             reason = f"repeated id (first at line {self.first_line[identifier]})"
         if reason is not None:
-            self.problems.append(Problem(identifier, line, reason))
             self.digest.update(f"P\0{identifier}\0{line}\0{reason}\0".encode())
-            return
-        self.first_line[identifier] = line
-        self.documents.append(Document(identifier, text, line))
+            return Problem(identifier, line, reason)
+        if not self.unique_ids:
+            self.first_line[identifier] = line
         self.digest.update(f"D\0{identifier}\0{line}\0".encode())
         self.digest.update(text.encode("utf-8", "surrogatepass"))
+        return Document(identifier, text, line)
+
+    def undecodable(self, number: int, raw: bytes, start: int) -> Problem:
+        """A line of a text file that is not UTF-8 (``start``: the first bad byte, from 0)."""
+        self.digest.update(f"P\0{number}\0undecodable\0".encode() + raw)
+        return Problem(str(number), number, f"not valid UTF-8 (byte {start + 1} of the line)")
+
+
+#: A reader: given a classifier, every record of the input in order, as a document or a problem.
+Records = Callable[[_Classifier], Iterator[Document | Problem]]
+
+
+class Input:
+    """An input that is read as a stream, as often as needed, never held whole.
+
+    ``scan`` reads it once to its end (the fingerprint, the counts, the problems, and every refusal of a
+    malformed input), keeping no document; ``documents`` then yields its documents in order, one at a
+    time. Both classify the records the same way, so ``documents`` yields ``scan().documents`` of them.
+    """
+
+    def __init__(self, source: str, records: Records, unique_ids: bool) -> None:
+        self.source = source
+        self._records = records
+        self._unique_ids = unique_ids
+
+    def _items(self, classifier: _Classifier) -> Iterator[Document | Problem]:
+        return self._records(classifier)
+
+    def scan(self) -> Scan:
+        """One pass to the end, holding no document.
+
+        Raises:
+            UserError: the input is malformed (file and line named), a field is not a column, or it holds
+                no record.
+        """
+        classifier = _Classifier(self._unique_ids)
+        documents, problems = 0, []
+        for item in self._items(classifier):
+            if isinstance(item, Document):
+                documents += 1
+            else:
+                problems.append(item)
+        if not documents and not problems:
+            raise UserError(f"{self.source}: no documents (the input holds no record)")
+        return Scan(self.source, documents, problems, classifier.digest.hexdigest())
+
+    def documents(self) -> Iterator[Document]:
+        """The documents, in input order, read as they are asked for (problems are left out)."""
+        for item in self._items(_Classifier(self._unique_ids)):
+            if isinstance(item, Document):
+                yield item
 
     def corpus(self) -> Corpus:
-        if not self.documents and not self.problems:
+        """Every document in memory, with the problems and the fingerprint (small inputs, tests)."""
+        classifier = _Classifier(self._unique_ids)
+        documents, problems = [], []
+        for item in self._items(classifier):
+            (documents if isinstance(item, Document) else problems).append(item)
+        if not documents and not problems:
             raise UserError(f"{self.source}: no documents (the input holds no record)")
-        return Corpus(self.documents, self.problems, self.source, self.digest.hexdigest())
+        return Corpus(documents, problems, self.source, classifier.digest.hexdigest())
 
 
-def _file_bytes(path: Path) -> bytes:
-    """The file's bytes, decompressed when it ends in .gz."""
+def _file_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes, each with its LF when it has one, read as they are asked for (.gz too)."""
     try:
-        data = path.read_bytes()
         if path.suffix.lower() == ".gz":
             import gzip
 
-            data = gzip.decompress(data)
+            handle: Any = gzip.open(path, "rb")  # noqa: SIM115 - closed below, also when a reader stops early
+        else:
+            handle = open(path, "rb")  # noqa: SIM115
+        with handle:
+            first = True
+            for line in handle:
+                if first:
+                    line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
+                    first = False
+                yield line
     except (OSError, EOFError) as error:
         raise UserError(f"cannot read {path}: {one_line(error)}") from None
-    return data
 
 
-def _raw_lines(path: Path) -> list[bytes]:
+def _raw_lines(path: Path) -> Iterator[bytes]:
     """The file's lines (LF or CRLF, the ending removed; a final newline ends the last line), no BOM."""
-    lines = _file_bytes(path).split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    lines = [line.removesuffix(b"\r") for line in lines]
-    if lines:
-        lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark is not text
-    return lines
+    for line in _file_lines(path):
+        yield line.removesuffix(b"\n").removesuffix(b"\r")
 
 
 def _decoded(path: Path, number: int, raw: bytes) -> str:
@@ -154,20 +226,58 @@ def _decoded(path: Path, number: int, raw: bytes) -> str:
         ) from None
 
 
+def _text_records(path: Path) -> Records:
+    def records(classifier: _Classifier) -> Iterator[Document | Problem]:
+        for number, raw in enumerate(_raw_lines(path), start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield classifier.undecodable(number, raw, error.start)
+                continue
+            yield classifier.record(None, text, number)
+
+    return records
+
+
 def read_text_lines(path: Path) -> Corpus:
     """One document a line (LF or CRLF); ids are line numbers; a final newline ends the last line."""
-    collector = _Collector(str(path))
-    for number, raw in enumerate(_raw_lines(path), start=1):
-        try:
-            text: Any = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            collector.problems.append(
-                Problem(str(number), number, f"not valid UTF-8 (byte {error.start + 1} of the line)")
-            )
-            collector.digest.update(f"P\0{number}\0undecodable\0".encode() + raw)
-            continue
-        collector.add(None, text, number)
-    return collector.corpus()
+    return Input(str(path), _text_records(path), unique_ids=True).corpus()
+
+
+def _jsonl_records(path: Path, text_field: str | None, id_field: str | None) -> Records:
+    """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
+
+    The fields are checked against every object's keys at the end (a field may appear late).
+    """
+    import json
+
+    def records(classifier: _Classifier) -> Iterator[Document | Problem]:
+        text_name = text_field or "text"
+        columns: dict[str, None] = {}
+        row = 0
+        for number, raw in enumerate(_raw_lines(path), start=1):
+            if not raw.strip():
+                continue
+            line = _decoded(path, number, raw)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(
+                    f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
+                ) from None
+            except RecursionError:
+                raise UserError(f"{path} line {number}: JSON nested too deeply") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
+            columns.update(dict.fromkeys(record))
+            row += 1
+            identifier = record.get(id_field) if id_field else None
+            yield classifier.record(identifier, record.get(text_name), number, row)
+        if not row:
+            raise UserError(f"{path}: no documents (no JSON object in the file)")
+        _check_fields(list(columns), str(path), text_field, id_field)
+
+    return records
 
 
 def read_jsonl(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
@@ -177,40 +287,73 @@ def read_jsonl(path: Path, text_field: str | None = None, id_field: str | None =
         UserError: a line is not UTF-8, not JSON or not an object (file and line named), a field is not
             among the objects' keys, or the file holds no object.
     """
-    import json
-
-    wanted = {text_field or "text", id_field}
-    records: list[tuple[int, dict[str, Any]]] = []
-    columns: dict[str, None] = {}
-    for number, raw in enumerate(_raw_lines(path), start=1):
-        if not raw.strip():
-            continue
-        line = _decoded(path, number, raw)
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(
-                f"{path} line {number}: not valid JSON ({error.msg} at column {error.colno})"
-            ) from None
-        except RecursionError:
-            raise UserError(f"{path} line {number}: JSON nested too deeply") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path} line {number}: a JSON object is expected, got {_json_type(record)}")
-        columns.update(dict.fromkeys(record))
-        records.append((number, {key: record[key] for key in wanted if key in record}))
-    if not records:
-        raise UserError(f"{path}: no documents (no JSON object in the file)")
-    text_field = _check_fields(list(columns), str(path), text_field, id_field)
-    collector = _Collector(str(path))
-    for row, (number, record) in enumerate(records, start=1):
-        identifier = record.get(id_field) if id_field else None
-        collector.add(identifier, record.get(text_field), number, row)
-    return collector.corpus()
+    return Input(str(path), _jsonl_records(path, text_field, id_field), id_field is None).corpus()
 
 
 def _json_type(value: Any) -> str:
     names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _csv_records(path: Path, text_field: str | None, id_field: str | None) -> Records:
+    """A header, then one record a row; the fields are checked at the end (after any malformed row)."""
+    import csv
+    import sys
+
+    def records(classifier: _Classifier) -> Iterator[Document | Problem]:
+        # Lines keep their endings: a CR inside a quoted cell is the cell's (the parser drops a row's CRLF).
+        def decoded() -> Iterator[
+            str
+        ]:  # lazily, so that an undecodable line is named when the parser reaches it
+            for number, raw in enumerate(_file_lines(path), start=1):
+                yield _decoded(path, number, raw)
+
+        reader = csv.reader(decoded(), strict=True)
+        header: list[str] | None = None
+        text_index = id_index = None
+        fields_error: UserError | None = None
+        row = 0
+        while True:
+            start = reader.line_num + 1
+            limit = csv.field_size_limit(sys.maxsize)  # a whole document in one cell
+            try:
+                cells = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as error:
+                raise UserError(f"{path} line {reader.line_num}: not valid CSV ({error})") from None
+            finally:
+                csv.field_size_limit(limit)
+            if not cells:
+                continue  # a blank line
+            if header is None:
+                header = cells
+                repeated = sorted({name for name in cells if cells.count(name) > 1})
+                if repeated:
+                    raise UserError(f"{path} line {start}: column(s) {repeated} appear twice in the header")
+                try:  # raised at the end: a malformed row, or no record at all, is reported first
+                    name = _check_fields(header, str(path), text_field, id_field)
+                    text_index = header.index(name)
+                    id_index = header.index(id_field) if id_field else None
+                except UserError as error:
+                    fields_error = error
+                continue
+            if len(cells) > len(header):
+                raise UserError(f"{path} line {start}: {len(cells)} cells where the header has {len(header)}")
+            row += 1
+            if fields_error is not None or text_index is None:
+                continue
+            text = cells[text_index] if text_index < len(cells) else None
+            identifier = None
+            if id_index is not None and id_index < len(cells):
+                identifier = cells[id_index] or None
+            yield classifier.record(identifier, text, start, row)
+        if header is None or not row:
+            raise UserError(f"{path}: no documents (no record under a header)")
+        if fields_error is not None:
+            raise fields_error
+
+    return records
 
 
 def read_csv(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
@@ -223,70 +366,19 @@ def read_csv(path: Path, text_field: str | None = None, id_field: str | None = N
         UserError: a line is not UTF-8, the CSV is malformed (an unclosed quote, text after a closing
             quote, more cells than the header) or a field is not a column: file and line named.
     """
-    import csv
-    import sys
-
-    # Lines keep their endings: a CR inside a quoted cell is the cell's (the parser drops a row's CRLF).
-    lines = _file_bytes(path).split(b"\n")
-    ended = [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
-    if ended:
-        ended[0] = ended[0].removeprefix(b"\xef\xbb\xbf")
-
-    def decoded():  # lazily, so that an undecodable line is named when the parser reaches it
-        for number, raw in enumerate(ended, start=1):
-            yield _decoded(path, number, raw)
-
-    reader = csv.reader(decoded(), strict=True)
-    limit = csv.field_size_limit(sys.maxsize)  # a whole document in one cell
-    records: list[tuple[int, list[str]]] = []
-    header: list[str] | None = None
-    try:
-        while True:
-            start = reader.line_num + 1
-            try:
-                cells = next(reader)
-            except StopIteration:
-                break
-            except csv.Error as error:
-                raise UserError(f"{path} line {reader.line_num}: not valid CSV ({error})") from None
-            if not cells:
-                continue  # a blank line
-            if header is None:
-                header = cells
-                repeated = sorted({name for name in cells if cells.count(name) > 1})
-                if repeated:
-                    raise UserError(f"{path} line {start}: column(s) {repeated} appear twice in the header")
-                continue
-            if len(cells) > len(header):
-                raise UserError(f"{path} line {start}: {len(cells)} cells where the header has {len(header)}")
-            records.append((start, cells))
-    finally:
-        csv.field_size_limit(limit)
-    if header is None or not records:
-        raise UserError(f"{path}: no documents (no record under a header)")
-    text_field = _check_fields(header, str(path), text_field, id_field)
-    position = {name: index for index, name in enumerate(header)}
-    collector = _Collector(str(path))
-    for row, (number, cells) in enumerate(records, start=1):
-
-        def cell(name: str, cells: list[str] = cells) -> str | None:
-            index = position[name]
-            return cells[index] if index < len(cells) else None
-
-        identifier = (cell(id_field) or None) if id_field else None
-        collector.add(identifier, cell(text_field), number, row)
-    return collector.corpus()
+    return Input(str(path), _csv_records(path, text_field, id_field), id_field is None).corpus()
 
 
-def _rows(dataset: Any, source: str, text_field: str, id_field: str | None) -> Corpus:
-    collector = _Collector(source)
-    number = 0
-    for batch in dataset.iter(batch_size=4096):  # columns at a time: much faster than row dicts
-        ids = batch[id_field] if id_field else [None] * len(batch[text_field])
-        for identifier, text in zip(ids, batch[text_field], strict=True):
-            number += 1
-            collector.add(identifier, text, number)
-    return collector.corpus()
+def _dataset_records(dataset: Any, text_field: str, id_field: str | None) -> Records:
+    def records(classifier: _Classifier) -> Iterator[Document | Problem]:
+        number = 0
+        for batch in dataset.iter(batch_size=4096):  # columns at a time: much faster than row dicts
+            ids = batch[id_field] if id_field else [None] * len(batch[text_field])
+            for identifier, text in zip(ids, batch[text_field], strict=True):
+                number += 1
+                yield classifier.record(identifier, text, number)
+
+    return records
 
 
 def _check_fields(columns: list[str], source: str, text_field: str | None, id_field: str | None) -> str:
@@ -334,7 +426,7 @@ def _one_split(loaded: Any, source: str, split: str | None) -> Any:
     return loaded[split]
 
 
-def _packaged(name: str) -> Corpus:
+def _packaged(name: str) -> Input:
     """A corpus shipped in ``bert_cluster/data``; ids are its document titles."""
     if name != "squad-articles":
         raise UserError(f"unknown packaged input {PACKAGE_PREFIX}{name}; packaged: {', '.join(PACKAGED)}")
@@ -346,10 +438,12 @@ def _packaged(name: str) -> Corpus:
     path = PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz"
     data = json.loads(gzip.decompress(path.read_bytes()))
     articles = join_paragraphs(data["paragraphs"])
-    collector = _Collector(f"{PACKAGE_PREFIX}{name} ({path.name}: {len(articles)} articles)")
-    for number, (title, paragraphs) in enumerate(articles.items(), start=1):
-        collector.add(title, PARAGRAPH_SEPARATOR.join(paragraphs), number)
-    return collector.corpus()
+
+    def records(classifier: _Classifier) -> Iterator[Document | Problem]:
+        for number, (title, paragraphs) in enumerate(articles.items(), start=1):
+            yield classifier.record(title, PARAGRAPH_SEPARATOR.join(paragraphs), number)
+
+    return Input(f"{PACKAGE_PREFIX}{name} ({path.name}: {len(articles)} articles)", records, unique_ids=False)
 
 
 def _format(path: Path) -> str:
@@ -392,7 +486,23 @@ def read_documents(
     json_field: str | None = None,
     split: str | None = None,
 ) -> Corpus:
-    """The documents of ``source`` and the problems met reading it.
+    """The documents of ``source`` and the problems met reading it, all in memory (``open_documents``).
+
+    Same arguments and errors as ``open_documents``.
+    """
+    return open_documents(source, text_field, id_field, json_field, split).corpus()
+
+
+def open_documents(
+    source: str | Path,
+    text_field: str | None = None,
+    id_field: str | None = None,
+    json_field: str | None = None,
+    split: str | None = None,
+) -> Input:
+    """``source`` as an ``Input``, read as a stream; only what naming it requires is checked here.
+
+    A file is read line by line on each pass; ``datasets`` inputs are loaded here (memory-mapped Arrow).
 
     Args:
         source: a text file (any other ending: one document a line, optionally .gz); a .jsonl / .json /
@@ -404,8 +514,10 @@ def read_documents(
         split: the split of a dataset with several.
 
     Raises:
-        UserError: the source does not exist, cannot be read, is malformed (file and line named), holds
-            no record, is a folder of several formats, or a field is not among its columns.
+        UserError: the source does not exist, cannot be read, is a folder of several formats, or (for
+            ``datasets`` inputs) a field is not among its columns. A malformed file (file and line named),
+            a field not among a JSONL or CSV file's columns and an input without a record are refused by
+            the first pass over it (``Input.scan``, or ``corpus``), before any document is used.
     """
     text = str(source).strip()
     if not text:
@@ -421,14 +533,14 @@ def read_documents(
                 f"{path} is read as text, one document a line: --text-field, --id-field and "
                 "--json-field are for JSONL, JSON, CSV and parquet inputs"
             )
-        return read_text_lines(path.resolve())
+        return Input(str(path.resolve()), _text_records(path.resolve()), unique_ids=True)
     if json_field is not None and inner != ".json":
         raise UserError("--json-field is for a .json file holding a mapping of record lists")
     if path.is_file() and inner in LINE_FORMATS:
         if split is not None:
             raise UserError(f"{path} has no splits: leave out --split")
-        reader = read_csv if inner == ".csv" else read_jsonl
-        return reader(path.resolve(), text_field, id_field)
+        reader = _csv_records if inner == ".csv" else _jsonl_records
+        return Input(str(path.resolve()), reader(path.resolve(), text_field, id_field), id_field is None)
     if path.is_file():
         kwargs = {"field": json_field} if json_field else {}
         dataset = _one_split(
@@ -456,4 +568,5 @@ def read_documents(
     columns = list(dataset.column_names)
     text_field = _check_fields(columns, source_name, text_field, id_field)
     wanted = [text_field] + ([id_field] if id_field and id_field != text_field else [])
-    return _rows(dataset.select_columns(wanted), source_name, text_field, id_field)
+    records = _dataset_records(dataset.select_columns(wanted), text_field, id_field)
+    return Input(source_name, records, unique_ids=id_field is None)

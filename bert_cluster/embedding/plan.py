@@ -1,11 +1,13 @@
-"""The work of an embed run, fixed before any model pass: token counts, shards and batches.
+"""The work of an embed run: shards, token counts and batches.
 
 Shards are runs of consecutive documents (``shard_size`` each, the last one shorter), so the output is in
-input order; inside a shard the documents are sorted by length (longest first, ties by position) and cut
-into batches whose padded size, rows x longest row, stays within the token budget. The plan depends on
-the documents and the settings only, never on the number of processes: a process runs whole shards,
-and every shard is embedded in the same batches whoever runs it, which is what makes a resumed or a
-multi-process output equal a one-process run's.
+input order, and their names follow from the number of documents alone. Inside a shard the documents are
+sorted by length (longest first, ties by position) and cut into batches whose padded size, rows x
+longest row, stays within the token budget: a shard's batches depend on its own documents only, so they
+are planned when the shard is read (``make_plan`` plans a whole corpus at once, the same batches). The
+plan depends on the documents and the settings only, never on the number of processes: a process runs
+whole shards, and every shard is embedded in the same batches whoever runs it, which is what makes a
+resumed or a multi-process output equal a one-process run's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,17 @@ class Shard:
     @property
     def name(self) -> str:
         """The shard's file name in the output folder."""
-        return f"shard-{self.index:05d}.parquet"
+        return shard_name(self.index)
+
+
+def shard_name(index: int) -> str:
+    """The file name of shard ``index`` in the output folder."""
+    return f"shard-{index:05d}.parquet"
+
+
+def shard_names(documents: int, shard_size: int) -> list[str]:
+    """The file names of the shards of ``documents`` documents, in order."""
+    return [shard_name(index) for index in range(-(-documents // shard_size))]
 
 
 def count_tokens(tokenizer: Any, texts: Sequence[str], lowercase: bool = False) -> list[int]:

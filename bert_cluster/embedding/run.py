@@ -2,26 +2,29 @@
 
 The model is a ``SentenceTransformer`` folder (its own Transformer, Pooling, Dense and Normalize modules)
 or a plain transformers folder (sentence-transformers then adds mean pooling; the manifest says so),
-converted with ``convert``'s defaults unless ``exact``. Every document is encoded by
-``SentenceTransformer.encode``, one planned batch at a time (``plan.py``), and written shard by shard
-(``store.py``). Under ``accelerate launch`` or ``torchrun`` process r runs shards r, r + P, ...; rank 0
-holds the output's lock and writes the manifest.
+converted with ``convert``'s defaults unless ``exact``. The input is read twice, as a stream: a first
+pass hashes and counts it (and refuses a malformed one) keeping no document; the second reads, tokenises
+and embeds it one shard at a time, each shard written (``store.py``) before the next is read, so memory
+holds one shard of documents whatever the corpus's size. Every document is encoded by
+``SentenceTransformer.encode``, one planned batch at a time (``plan.py``). Under ``accelerate launch`` or
+``torchrun`` process r runs shards r, r + P, ...; rank 0 holds the output's lock and writes the manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bert_cluster import config as presets
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.embedding import store
-from bert_cluster.embedding.documents import Corpus, Problem, read_documents
-from bert_cluster.embedding.plan import Shard, count_tokens, make_plan
+from bert_cluster.embedding.documents import Document, Input, Problem, Scan, open_documents
+from bert_cluster.embedding.plan import Shard, batches_within, count_tokens, shard_names
 from bert_cluster.errors import UserError, positive_int
 
 DTYPES = ("float32", "bfloat16")
@@ -130,16 +133,16 @@ def _check(
 
 
 def _shard_table(
-    shard: Shard, corpus: Corpus, counts: list[int], vectors: Any, max_length: int, key: str
+    documents: Sequence[Document], tokens: list[int], vectors: Any, max_length: int, key: str
 ) -> Any:
+    """One shard's table; ``tokens`` are the documents' token counts (untruncated)."""
     import numpy as np
     import pyarrow as pa
 
     matrix = np.ascontiguousarray(vectors, dtype=np.float32)
-    tokens = [counts[position] for position in shard.documents]
     table = pa.table(
         {
-            "id": pa.array([corpus.documents[position].id for position in shard.documents], pa.string()),
+            "id": pa.array([document.id for document in documents], pa.string()),
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]),
             "tokens": pa.array(tokens, pa.int32()),
             "truncated": pa.array([count > max_length for count in tokens], pa.bool_()),
@@ -148,13 +151,18 @@ def _shard_table(
     return table.replace_schema_metadata({store.FINGERPRINT_KEY: key.encode()})
 
 
-def _encode_shard(encoder: Any, shard: Shard, corpus: Corpus, lengths: list[int], advance: Callable) -> Any:
-    """The shard's embeddings in document order: one ``encode`` call per planned batch."""
+def _encode_shard(
+    encoder: Any, shard: Shard, documents: Sequence[Document], lengths: list[int], advance: Callable
+) -> Any:
+    """The shard's embeddings in document order: one ``encode`` call per planned batch.
+
+    ``shard``'s positions index ``documents`` (the shard's own), as ``lengths`` does.
+    """
     import numpy as np
 
     rows: dict[int, Any] = {}
     for batch in shard.batches:
-        texts = [corpus.documents[position].text for position in batch]
+        texts = [documents[position].text for position in batch]
         vectors = encoder.encode(
             texts, batch_size=len(texts), convert_to_tensor=True, show_progress_bar=False
         )
@@ -229,7 +237,8 @@ def embed(
         failures = [message for message in workers.gather([failure]) if message]
         if failures:
             raise UserError(failures[0])
-        corpus = read_documents(input, text_field, id_field, json_field, split)
+        source = open_documents(input, text_field, id_field, json_field, split)
+        scan = source.scan()  # to the end, keeping no document: the counts, the hash, any refusal
         encoder = _load(model, workers.device(device), dtype)
         if max_length is None:
             max_length = encoder.positions or encoder.model.max_seq_length
@@ -240,12 +249,7 @@ def embed(
             from bert_cluster import hf
 
             hf.convert(encoder.model, config=config)
-        texts = [document.text for document in corpus.documents]
-        counts = count_tokens(
-            encoder.model.tokenizer, texts, lowercase=bool(getattr(encoder.model[0], "do_lower_case", False))
-        )
-        lengths = [min(count, max_length) for count in counts]
-        plan = make_plan(lengths, shard_size, max_tokens_per_batch)
+        plan = shard_names(scan.documents, shard_size)
 
         import torch
 
@@ -253,10 +257,10 @@ def embed(
             "layout": store.LAYOUT_VERSION,
             "model": {"path": encoder.path, "files": _model_files(encoder.path)},
             "input": {
-                "source": corpus.source,
-                "content_sha256": corpus.fingerprint,
-                "documents": len(corpus.documents),
-                "problems": len(corpus.problems),
+                "source": scan.source,
+                "content_sha256": scan.fingerprint,
+                "documents": scan.documents,
+                "problems": len(scan.problems),
                 "text_field": text_field,
                 "id_field": id_field,
                 "json_field": json_field,
@@ -274,11 +278,11 @@ def embed(
         failure = None
         if workers.is_main:
             try:
-                store.prepare(output, settings, overwrite, [shard.name for shard in plan])
+                store.prepare(output, settings, overwrite, plan)
             except UserError as error:
                 failure = str(error)
         # Rank 0's settings are the run's (a model copied to another machine has other file times).
-        views = workers.gather([(failure, corpus.fingerprint, settings)])
+        views = workers.gather([(failure, scan.fingerprint, settings)])
         failures = [view[0] for view in views if view[0]]
         if failures:
             raise UserError(failures[0])
@@ -289,17 +293,20 @@ def embed(
         share = plan[workers.rank :: workers.count]
         # Every shard of this process's share on disk is read and its checksum recomputed: a damaged one
         # is embedded again.
-        done, damaged = store.complete_shards(output, key, [shard.name for shard in share])
-        mine = [shard for shard in share if shard.name not in done]
+        done, damaged, truncated = store.complete_shards(output, key, share)
+        mine = [index for index in range(workers.rank, len(plan), workers.count) if plan[index] not in done]
         began = time.perf_counter()
         documents, tokens, written = _run_shards(
-            encoder.model, mine, corpus, counts, lengths, max_length, key, output, progress, len(done)
-        )
+            encoder.model, source, scan.documents, mine, shard_size, max_tokens_per_batch, max_length, key,
+            output, progress, len(done),
+        )  # fmt: skip
         seconds = time.perf_counter() - began
-        parts = workers.gather([(seconds, documents, tokens, {**done, **written}, done, damaged)])
+        checksums = {**done, **{name: checksum for name, (checksum, _) in written.items()}}
+        truncated.update({name: count for name, (_, count) in written.items()})
+        parts = workers.gather([(seconds, documents, tokens, checksums, done, damaged, truncated)])
         if workers.state is not None:
             workers.state.wait_for_everyone()
-        return _finish(workers.is_main, output, plan, corpus, counts, max_length, settings, encoder, parts)
+        return _finish(workers.is_main, output, plan, scan, settings, encoder, parts)
 
 
 def _versions() -> dict[str, str | None]:
@@ -309,64 +316,110 @@ def _versions() -> dict[str, str | None]:
     return {name: environment.package_version(name) for name in names}
 
 
+def _shards(
+    documents: Iterator[Document], total: int, shard_size: int, wanted: list[int]
+) -> Iterator[tuple[int, list[Document]]]:
+    """``(index, documents)`` of each shard in ``wanted`` (ascending), reading ``documents`` as they come.
+
+    The documents of the other shards are read past, not kept; reading stops after the last one wanted.
+
+    Raises:
+        UserError: the input holds fewer documents than its first pass counted (it changed meanwhile).
+    """
+    position = 0
+    for index in wanted:
+        skip = index * shard_size - position
+        if skip:
+            position += sum(1 for _ in itertools.islice(documents, skip))
+        expected = min(shard_size, total - index * shard_size)
+        shard = list(itertools.islice(documents, expected))
+        position += len(shard)
+        if len(shard) != expected:
+            raise UserError(
+                f"the input changed while it was read: {position} documents where its first pass counted "
+                f"{total}; run again on an input that stays as it is"
+            )
+        yield index, shard
+
+
 def _run_shards(
     model: Any,
-    shards: list[Shard],
-    corpus: Corpus,
-    counts: list[int],
-    lengths: list[int],
+    source: Input,
+    total: int,
+    wanted: list[int],
+    shard_size: int,
+    budget: int,
     max_length: int,
     key: str,
     output: Path,
     progress: Progress | None,
     complete: int = 0,
-) -> tuple[int, int, dict[str, str]]:
-    """Encode and write ``shards`` (``complete`` more of this share are on disk already).
+) -> tuple[int, int, dict[str, tuple[str, int]]]:
+    """Read, tokenise, encode and write the shards ``wanted`` of ``source``'s ``total`` documents, in turn.
 
-    Returns the documents and tokens embedded and each written shard's checksum.
+    ``complete`` more of this share are on disk already. Returns the documents and tokens embedded and
+    each written shard's checksum and truncated documents.
     """
     import torch
 
-    total_documents = sum(len(shard.documents) for shard in shards)
-    total_tokens = sum(lengths[position] for shard in shards for position in shard.documents)
+    total_documents = sum(min(shard_size, total - index * shard_size) for index in wanted)
     documents = tokens = 0
+    counted_documents = counted_tokens = 0  # tokenised so far: they give the estimate of the tokens to do
+
+    def tokens_to_do() -> int:
+        if not counted_documents:
+            return 0
+        return counted_tokens + round(
+            (total_documents - counted_documents) * counted_tokens / counted_documents
+        )
 
     def advance(batch_documents: int, batch_tokens: int) -> None:
         nonlocal documents, tokens
         documents += batch_documents
         tokens += batch_tokens
         if progress is not None:
-            progress(documents, tokens, total_documents, total_tokens)
+            progress(documents, tokens, total_documents, tokens_to_do())
 
     if progress is not None:
-        progress(0, 0, total_documents, total_tokens)
-    written: dict[str, str] = {}
+        progress(0, 0, total_documents, 0)
+    lowercase = bool(getattr(model[0], "do_lower_case", False))
+    written: dict[str, tuple[str, int]] = {}
+    stream = source.documents()
     try:
         with torch.inference_mode():
-            for shard in shards:
-                vectors = _encode_shard(model, shard, corpus, lengths, advance)
-                table = _shard_table(shard, corpus, counts, vectors, max_length, key)
-                written[shard.name] = store.write_shard(output, shard.name, table)[1]
+            for index, shard_documents in _shards(stream, total, shard_size, wanted):
+                counts = count_tokens(
+                    model.tokenizer, [document.text for document in shard_documents], lowercase
+                )
+                lengths = [min(count, max_length) for count in counts]
+                positions = range(len(shard_documents))
+                shard = Shard(index, positions, tuple(batches_within(lengths, positions, budget)))
+                counted_documents += len(shard_documents)
+                counted_tokens += sum(lengths)
+                vectors = _encode_shard(model, shard, shard_documents, lengths, advance)
+                table = _shard_table(shard_documents, counts, vectors, max_length, key)
+                checksum = store.write_shard(output, shard.name, table)[1]
+                written[shard.name] = (checksum, sum(count > max_length for count in counts))
     except KeyboardInterrupt:
-        raise EmbedInterrupted(output, complete + len(written), complete + len(shards)) from None
+        raise EmbedInterrupted(output, complete + len(written), complete + len(wanted)) from None
+    finally:
+        stream.close()  # a file left open by a reader that stopped early
     return documents, tokens, written
 
 
 def _finish(
     is_main: bool,
     output: Path,
-    plan: list[Shard],
-    corpus: Corpus,
-    counts: list[int],
-    max_length: int,
+    plan: list[str],
+    scan: Scan,
     settings: dict[str, Any],
     encoder: Any,
-    parts: list[tuple[float, int, int, dict[str, str], dict[str, str], dict[str, str]]],
+    parts: list[tuple[float, int, int, dict[str, str], dict[str, str], dict[str, str], dict[str, int]]],
 ) -> EmbedResult:
     """The result on every process; rank 0 writes the manifest, after every shard is on disk.
 
-    ``parts``: each process's seconds, documents, tokens, checksums (name: sha256), resumed shards and
-    damaged shards (name: why).
+    ``parts``: each process's seconds, documents, tokens, checksums (name: sha256), resumed shards,
+    damaged shards (name: why) and truncated documents (name: how many) of its share.
     """
     from bert_cluster.reports import environment
 
@@ -376,7 +429,7 @@ def _finish(
     checksums = {name: checksum for part in parts for name, checksum in part[3].items()}
     resumed = {name for part in parts for name in part[4]}
     damaged = {name: why for part in parts for name, why in part[5].items()}
-    truncated = sum(count > max_length for count in counts)
+    truncated = sum(count for part in parts for count in part[6].values())
     dimension = encoder.model.get_embedding_dimension()
     manifest_file = output / store.MANIFEST
     rate = (lambda amount: amount / seconds) if documents and seconds > 0 else (lambda amount: None)
@@ -389,14 +442,14 @@ def _finish(
         "processes": len(parts),
         "dimension": dimension,
         "counts": {
-            "documents": len(corpus.documents) + len(corpus.problems),
-            "embedded": len(corpus.documents),
+            "documents": scan.documents + len(scan.problems),
+            "embedded": scan.documents,
             "truncated": truncated,
-            "problems": len(corpus.problems),
+            "problems": len(scan.problems),
         },
-        "problems": [problem.to_dict() for problem in corpus.problems],
-        "shards": [shard.name for shard in plan],
-        "checksums": {shard.name: checksums[shard.name] for shard in plan},
+        "problems": [problem.to_dict() for problem in scan.problems],
+        "shards": list(plan),
+        "checksums": {name: checksums[name] for name in plan},
         "this_run": {
             "shards_written": len(plan) - len(resumed),
             "shards_resumed": len(resumed),
@@ -420,9 +473,9 @@ def _finish(
     run = manifest["this_run"]
     return EmbedResult(
         output=output,
-        documents=len(corpus.documents),
+        documents=scan.documents,
         truncated=truncated,
-        problems=list(corpus.problems),
+        problems=list(scan.problems),
         shards=len(plan),
         resumed_shards=len(resumed),
         dimension=dimension,

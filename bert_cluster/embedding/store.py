@@ -328,21 +328,24 @@ def prepare(output: Path, settings: Mapping[str, Any], overwrite: bool, shards: 
 
 def complete_shards(
     output: Path, fingerprint: str, names: list[str]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Of the shards ``names``: those on disk and sound (name: checksum), and those damaged (name: why).
+) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
+    """Of the shards ``names``: those sound (name: checksum), damaged (name: why), and truncated counts.
 
-    Each is read whole and its checksum recomputed; a missing shard is in neither.
+    The third maps each sound shard to how many of its documents were truncated. Each is read whole and
+    its checksum recomputed; a missing shard is in neither.
     """
-    done, damaged = {}, {}
+    done, damaged, truncated = {}, {}, {}
     for name in names:
         path = output / name
         if not path.is_file():
             continue
         try:
-            done[name] = verify_shard(path, fingerprint)[1]
+            table, done[name] = verify_shard(path, fingerprint)
         except DamagedShard as error:
             damaged[name] = str(error)
-    return done, damaged
+            continue
+        truncated[name] = sum(table.column("truncated").to_pylist())
+    return done, damaged, truncated
 
 
 def read_output(output: str | Path) -> Any:

@@ -296,7 +296,6 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
   const int64_t* tip = job.indices;
   const float* tmp = job.mass;
   const float* tvp = job.top_values;
-  float* op = job.out;
   const int64_t heads = job.heads, n = job.n, clusters = job.clusters, k = job.k, dk = job.dk, dv = job.dv;
   const float scale = job.scaling;
   const int64_t kp = round_up(k), dvp = round_up(dv);
@@ -321,13 +320,15 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
     int64_t* st = start.data();
     std::fill(st, st + clusters + 1, 0);
     const int64_t* ar = ap + rh * n;
+    float* orow = job.out.head(rh);
+    const int64_t os = job.out.s2;  // from one output row to the next
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK_VALUE(ar[i] >= -1 && ar[i] < clusters, "assignments must be -1 or in 0..", clusters - 1,
                         ", got ", ar[i]);
       if (ar[i] >= 0) {
         st[ar[i] + 1] += 1;
       } else {
-        std::fill(op + (rh * n + i) * dv, op + (rh * n + i + 1) * dv, 0.f);  // padded query: zeros
+        std::fill(orow + i * os, orow + i * os + dv, 0.f);  // padded query: zeros
       }
     }
     for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
@@ -407,9 +408,8 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
         log_base = log_odds + top_max + std::log(top_sum) -
                    rest_logz(centroid, key_mean.data(), half_var.data(), dk, scale);
       }
-      float* orow = op + rh * n * dv;
       if (kv == 0) {  // no key to refine: the centroid's row
-        for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * dv);
+        for (int64_t j = 0; j < members; ++j) std::copy(rest_mean.begin(), rest_mean.begin() + dv, orow + member[j] * os);
         continue;
       }
       const Cluster cluster{kt.data(), from_rows ? key_rows.data() : nullptr, value_rows.data(), kv,
@@ -417,20 +417,20 @@ void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end) {
       for (int64_t j = 0; j < members; j += kBlock) {
         const int count = static_cast<int>(std::min<int64_t>(kBlock, members - j));
         const float* qs[kBlock];
-        float* os[kBlock];
+        float* outs[kBlock];
         for (int b = 0; b < count; ++b) {
           qs[b] = qh + member[j + b] * qr.s2;
-          os[b] = orow + member[j + b] * dv;
+          outs[b] = orow + member[j + b] * os;
         }
         // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
         // for them took most of the refinement's time on heads larger than the cache.
         for (int64_t b = j + kBlock; b < std::min<int64_t>(members, j + 2 * kBlock); ++b) {
           const float* next_q = qh + member[b] * qr.s2;
-          const float* next_out = orow + member[b] * dv;
+          const float* next_out = orow + member[b] * os;
           for (int64_t d = 0; d < dk; d += 16) __builtin_prefetch(next_q + d);
           for (int64_t d = 0; d < dv; d += 16) __builtin_prefetch(next_out + d, 1);
         }
-        refine_members(count, qs, os, cluster, dk, dv, scale, scores.data(), row.data());
+        refine_members(count, qs, outs, cluster, dk, dv, scale, scores.data(), row.data());
       }
     }
   }
@@ -467,7 +467,7 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
   QueryMassJob job{Rows::of(q), Rows::of(kf), Rows::of(vf), ok.data_ptr<bool>(), a.data_ptr<int64_t>(),
                    cen.data_ptr<float>(), cv.data_ptr<float>(), tm.data_ptr<float>(), tv.data_ptr<float>(),
                    ti.data_ptr<int64_t>(), heads, n, clusters, k, dk, dv, static_cast<float>(scaling),
-                   out.data_ptr<float>()};
+                   OutRows::of(out)};
   parallel_for(0, rows * heads, grain_for(n * k * (dk + dv)),
                [&](int64_t begin, int64_t end) { query_mass_heads(job, begin, end); });
   return out;

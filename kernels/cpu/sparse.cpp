@@ -388,7 +388,8 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
   const HeadRows queries = job.q.head(r, h), keys = job.keys.head(r, h), values = job.values.head(r, h);
   const int64_t query_bytes = dk * job.q.itemsize, key_bytes = dk * job.keys.itemsize;
   const int64_t value_bytes = dv * job.values.itemsize;
-  float* out = job.out + rh * n * dv;
+  float* out = job.out.head(rh);
+  const int64_t os = job.out.s2;  // from one output row to the next
   // Counting sort of the head's queries by cluster: members of cluster c are order[start[c] .. start[c + 1]).
   int64_t* st = sc.start.data();
   std::fill(st, st + clusters + 1, 0);
@@ -398,7 +399,7 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
     if (a[i] >= 0) {
       st[a[i] + 1] += 1;
     } else {
-      std::fill(out + i * dv, out + (i + 1) * dv, 0.f);  // padded query: zeros
+      std::fill(out + i * os, out + i * os + dv, 0.f);  // padded query: zeros
     }
   }
   for (int64_t c = 0; c < clusters; ++c) st[c + 1] += st[c];
@@ -439,7 +440,7 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
       if (l >= 0) sc.slot[kv++] = l;
     }
     if (kv == 0) {  // no valid key in the row: the centroid output as it is
-      for (int64_t j = 0; j < members; ++j) std::copy(base, base + dv, out + member[j] * dv);
+      for (int64_t j = 0; j < members; ++j) std::copy(base, base + dv, out + member[j] * os);
       continue;
     }
     // The cluster's keys (transposed) and values, gathered once for all its members.
@@ -484,7 +485,7 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
           widen_row(job.type, queries.ptr(member[m0 + m]), sc.qbuf.data() + m * dk, dk);
           qrows[m] = sc.qbuf.data() + m * dk;
         }
-        orows[m] = out + member[m0 + m] * dv;
+        orows[m] = out + member[m0 + m] * os;
       }
       // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
       // for them took most of the refinement's time on heads larger than the cache (4,096 x 64, one
@@ -492,7 +493,7 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
       for (int64_t m = m0 + kRefineBlock; m < std::min<int64_t>(members, m0 + 2 * kRefineBlock); ++m) {
         const char* row = static_cast<const char*>(queries.ptr(member[m]));
         for (int64_t b = 0; b < query_bytes; b += 64) __builtin_prefetch(row + b);
-        const char* dst = reinterpret_cast<const char*>(out + member[m] * dv);
+        const char* dst = reinterpret_cast<const char*>(out + member[m] * os);
         for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
       }
       refine_members(count, qrows, sc.kt.data(), sc.krows.data(), from_rows, kvp, kv, sc.vrows.data(), base, mass,
@@ -517,11 +518,11 @@ void centroid_attention_tasks(const CentroidJob& job, int64_t begin, int64_t end
 void topk_refine_heads(const RefineJob& job, int64_t begin, int64_t end) { refine_heads(job, begin, end); }
 
 void broadcast_cluster_heads(const float* centroid_values, const int64_t* assign, int64_t n, int64_t clusters,
-                             int64_t dv, int64_t begin, int64_t end, float* out) {
+                             int64_t dv, int64_t begin, int64_t end, const OutRows& out) {
   for (int64_t i = begin * n; i < end * n; ++i) {
     const int64_t c = assign[i];
     TORCH_CHECK_VALUE(c >= -1 && c < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", c);
-    float* o = out + i * dv;
+    float* o = out.head(i / n) + (i % n) * out.s2;
     if (c < 0) {
       std::fill(o, o + dv, 0.f);
     } else {
@@ -593,7 +594,7 @@ at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, co
   if (out.numel() == 0) return out;
   RefineJob job{Rows::of(q), Rows::of(kk), Rows::of(vv), input_type(q), a.data_ptr<int64_t>(),
                 cv.data_ptr<float>(), tm.data_ptr<float>(), tv.data_ptr<float>(), ti.data_ptr<int64_t>(),
-                heads, n, clusters, k, dk, dv, static_cast<float>(scaling), out.data_ptr<float>()};
+                heads, n, clusters, k, dk, dv, static_cast<float>(scaling), OutRows::of(out)};
   parallel_for(0, rows * heads, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) / 8),
                [&](int64_t begin, int64_t end) { refine_heads(job, begin, end); });
   return out;

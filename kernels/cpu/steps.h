@@ -13,6 +13,19 @@
 
 namespace bert_cluster {
 
+// Where a step writes its float32 output rows: row i of (row, head) rh's Dv values at head(rh) + i * s2.
+// The separate ops write (R, H, N, Dv) contiguous; clustered_heads writes (R, N, H, Dv) memory, the layout
+// transformers wants after attention, returned as an (R, H, N, Dv) view (no transposing copy after it).
+struct OutRows {
+  float* data = nullptr;
+  int64_t heads = 1, s0 = 0, s1 = 0, s2 = 0;
+
+  static OutRows of(const at::Tensor& t) {
+    return OutRows{t.data_ptr<float>(), t.size(1), t.stride(0), t.stride(1), t.stride(2)};
+  }
+  float* head(int64_t rh) const { return data + (rh / heads) * s0 + (rh % heads) * s1; }
+};
+
 // --- hash_queries (hash.cpp)
 
 struct HashJob {
@@ -80,7 +93,7 @@ struct RefineJob {
   const int64_t* indices;
   int64_t heads, n, clusters, k, dk, dv;
   float scaling;
-  float* out;  // (R, H, N, Dv)
+  OutRows out;  // (R, H, N, Dv)
 };
 
 void topk_refine_heads(const RefineJob& job, int64_t begin, int64_t end);
@@ -88,7 +101,7 @@ void topk_refine_heads(const RefineJob& job, int64_t begin, int64_t end);
 // --- broadcast_clusters (sparse.cpp), float32
 
 void broadcast_cluster_heads(const float* centroid_values, const int64_t* assign, int64_t n, int64_t clusters,
-                             int64_t dv, int64_t begin, int64_t end, float* out);
+                             int64_t dv, int64_t begin, int64_t end, const OutRows& out);
 
 // --- lloyd_refine (lloyd.cpp): one (row, head), float32 queries
 
@@ -112,7 +125,7 @@ struct QueryMassJob {
   const int64_t* indices;
   int64_t heads, n, clusters, k, dk, dv;
   float scaling;
-  float* out;  // (R, H, N, Dv)
+  OutRows out;  // (R, H, N, Dv)
 };
 
 void query_mass_heads(const QueryMassJob& job, int64_t begin, int64_t end);

@@ -134,6 +134,26 @@ def test_no_topk_keys_leaves_the_clustered_output(mode: str) -> None:
         assert clustered[1, :, 30:].abs().sum() == 0 and clustered[0].abs().sum() > 0
 
 
+def test_the_output_is_laid_out_as_transformers_takes_it_and_the_fake_says_so() -> None:
+    # (R, H, N, Dv) viewed on (R, N, H, Dv) memory; torch.compile plans with the fake's strides, so a fake
+    # that said contiguous would make compiled code read the values in the wrong places.
+    _require_cpu()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bert_cluster import ops
+
+    q, k, v = (torch.randn(2, 3, 40, 8) for _ in range(3))
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    planes, offsets = attention.hash_planes(0, 0, 12, 8)
+    for mode in MODES:
+        out = ops.clustered_heads(q, k, v, valid, planes, offsets, 4, 5, 3, mode, 1, 0.35)
+        assert out.shape == (2, 3, 40, 8) and out.transpose(1, 2).is_contiguous()
+        with FakeTensorMode() as fake_mode:
+            fakes = [fake_mode.from_tensor(t) for t in (q, k, v, valid, planes, offsets)]
+            fake = ops.clustered_heads(*fakes, 4, 5, 3, mode, 1, 0.35)
+        assert fake.shape == out.shape and fake.stride() == out.stride()
+
+
 def test_opcheck() -> None:
     _require_cpu()
     from bert_cluster import ops
