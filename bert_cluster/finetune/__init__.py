@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,12 @@ def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwr
         raise UserError("give --resume (continue the run in OUT) or --overwrite (start it again), not both")
     checkpoints = output / CHECKPOINTS
     if not resume:
-        check_output(output, overwrite)
+        try:
+            check_output(output, overwrite)
+        except UserError as error:
+            if last_checkpoint(checkpoints) is None:
+                raise
+            raise UserError(f"{error}; or --resume to continue its run") from None
         return None
     check_output(output, True)
     found = last_checkpoint(checkpoints)
@@ -247,7 +253,10 @@ def _lora(model: Any, rank: int, alpha: int) -> Any:
         if name != prefix and any(True for _ in child.parameters())
     ]
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, modules_to_save=heads)
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` (transformers 5.x warns).
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def finetune(
