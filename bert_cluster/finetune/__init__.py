@@ -177,6 +177,10 @@ def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwr
             if last_checkpoint(checkpoints) is None:
                 raise
             raise UserError(f"{error}; or --resume to continue its run") from None
+        if checkpoints.exists() and not (checkpoints / SETTINGS_FILE).is_file():
+            raise UserError(
+                f"{checkpoints} is not a finetune run's checkpoints folder; move it or choose another OUT"
+            )
         return None
     check_output(output, True)
     found = last_checkpoint(checkpoints)
@@ -365,9 +369,23 @@ def finetune(
     resume_from = _prepare_output(output, settings, resume, overwrite)
     rows = load_rows(task_config, data_dir, split="train")
     chosen = rows.rows if limit is None else rows.rows[:limit]
-    return _train(
-        task_config, source, output, settings, config, chosen, rows.source, resume_from, reporter, callbacks
-    )
+    try:
+        return _train(
+            task_config,
+            source,
+            output,
+            settings,
+            config,
+            chosen,
+            rows.source,
+            resume_from,
+            reporter,
+            callbacks,
+        )
+    except FinetuneInterrupted:
+        raise
+    except KeyboardInterrupt:  # before or after the training loop (loading, saving)
+        raise FinetuneInterrupted(output, last_checkpoint(output / CHECKPOINTS)) from None
 
 
 def _train(
@@ -401,8 +419,9 @@ def _train(
     if settings["lora"]:
         model = _lora(model, settings["lora_rank"], settings["lora_alpha"])
     checkpoints = output / CHECKPOINTS
-    if resume_from is None and checkpoints.exists():
-        shutil.rmtree(checkpoints)  # an earlier run's (--overwrite): never resumed into this one
+    if resume_from is None:  # an earlier run's (--overwrite; checked to be one): never resumed into this one
+        for entry in checkpoints.glob("checkpoint-*"):
+            shutil.rmtree(entry)
     for entry in checkpoints.glob("checkpoint-*") if resume_from is not None else ():
         if entry.is_dir() and not (entry / "trainer_state.json").is_file():
             shutil.rmtree(entry)  # half written when the earlier run was killed
