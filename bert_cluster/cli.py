@@ -750,8 +750,8 @@ def finetune(
                 raise UserError(f"--exact trains with the unmodified attention: drop {', '.join(given)}")
         else:
             config = _one_config(ClusteredAttentionConfig.for_evaluation(), attention, clusters, mode, seed)
-        from bert_cluster.finetune import FinetuneInterrupted
-        from bert_cluster.finetune import finetune as run_finetune
+        from bert_cluster.finetuning import FinetuneInterrupted
+        from bert_cluster.finetuning import finetune as run_finetune
 
         try:
             result = run_finetune(

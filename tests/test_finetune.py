@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bert_cluster.cli import app
-from bert_cluster.finetune import finetune
+from bert_cluster.finetuning import finetune
 from bert_cluster.hf import ATTENTION_NAME
 
 runner = CliRunner()
@@ -96,6 +96,9 @@ def test_a_few_steps_lower_the_loss_and_save_a_checkpoint_that_reloads_patched(s
     assert document["settings"]["attention"]["clusters"] == 2 and document["settings"]["lora"] is False
     assert document["environment"]["git"] is not None or document["environment"]["date"]
     assert result.steps == 12 and (tmp_path / "out" / "loss.png").is_file()
+    import bert_cluster
+
+    assert bert_cluster.finetune is finetune  # the function, not shadowed by its package once loaded
 
 
 def test_exact_trains_and_saves_with_the_unmodified_attention(setup, tmp_path):
@@ -131,7 +134,7 @@ def test_lora_trains_the_adapters_and_head_and_saves_merged_weights(setup, tmp_p
 SCRIPT = """
 import sys, time
 from transformers import TrainerCallback
-from bert_cluster.finetune import finetune
+from bert_cluster.finetuning import finetune
 
 class Slow(TrainerCallback):  # after step 4 a step takes a second: time to kill the process mid-run
     def on_step_end(self, args, state, control, **kwargs):

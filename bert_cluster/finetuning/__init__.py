@@ -26,7 +26,7 @@ from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.tasks import TaskConfig, get_tasks, label_mapping
-from bert_cluster.finetune import features, report
+from bert_cluster.finetuning import features, report
 
 __all__ = ["FinetuneInterrupted", "FinetuneResult", "finetune"]
 
@@ -403,7 +403,7 @@ def _train(
     import transformers
 
     from bert_cluster import hf
-    from bert_cluster.finetune.progress import ProgressCallback  # transformers: only when training
+    from bert_cluster.finetuning.progress import ProgressCallback  # transformers: only when training
 
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
     model, tokenizer, to_model = _load(source, task)
