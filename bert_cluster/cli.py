@@ -688,8 +688,8 @@ def finetune(
         bool,
         typer.Option(
             "--lora/--full",
-            help="LoRA on the encoder's Linear layers, head trained fully (needs peft: pip install "
-            "'bert-cluster[finetune]'), or every weight.",
+            help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
+            "extra of bert-cluster, or pip install peft), or every weight.",
         ),
     ] = True,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = 16,
@@ -731,8 +731,8 @@ def finetune(
 ) -> None:
     """Fine-tune MODEL on a task's train split with clustered attention in the loop (docs/finetune.md).
 
-    OUT then holds a converted checkpoint that `bert-cluster evaluate OUT` scores. Ctrl-C or a kill:
-    the same command with --resume continues from the last checkpoint.
+    OUT then holds a converted checkpoint that `bert-cluster evaluate OUT` scores. After Ctrl-C or a
+    kill, the same command with --resume continues from the last checkpoint.
     """
     from bert_cluster.errors import UserError
 
