@@ -195,6 +195,7 @@ def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit
         (["--task", "rte", "--resume"], "nothing to resume"),
         (["--task", "rte", "--resume", "--overwrite"], "not both"),
         (["--task", "rte", "--learning-rate", "-1"], "learning_rate must be positive"),
+        (["--task", "rte", "--max-length", "600", "--full"], "--max-length 600 is more than model"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(setup, tmp_path, arguments, message):

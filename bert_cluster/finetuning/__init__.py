@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_cluster import config as presets
-from bert_cluster.checkpoints import attention_config, check_model_path, quiet, resolve_model
+from bert_cluster.checkpoints import attention_config, check_model_path, max_positions, quiet, resolve_model
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.data import load_rows
@@ -407,6 +407,11 @@ def _train(
 
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
     model, tokenizer, to_model = _load(source, task)
+    positions = max_positions(model.config)
+    if positions is not None and settings["max_length"] > positions:
+        raise UserError(
+            f"--max-length {settings['max_length']} is more than model {source} takes ({positions})"
+        )
     if task.train.loss == "span-cross-entropy":
         train = features.spans(rows, task, tokenizer, settings["max_length"])
     else:
