@@ -23,6 +23,7 @@ __all__ = [
     "convert",
     "embed",
     "evaluate",
+    "finetune",
     "info",
     "inspect_model",
     "revert",
@@ -31,6 +32,7 @@ __all__ = [
 if TYPE_CHECKING:
     from bert_cluster.embedding import embed
     from bert_cluster.evaluation import evaluate
+    from bert_cluster.finetuning import finetune
 
 
 def convert(model: Any, clusters: int | None = None, **settings: Any) -> Any:
@@ -78,4 +80,9 @@ def __getattr__(name: str) -> Any:
         from bert_cluster.embedding import embed as _embed
 
         return _embed
+    # HF Trainer, peft, datasets: only when asked for (its package is `finetuning`, for the same reason).
+    if name == "finetune":
+        from bert_cluster.finetuning import finetune as _finetune
+
+        return _finetune
     raise AttributeError(f"module 'bert_cluster' has no attribute {name!r}")

@@ -667,6 +667,138 @@ def tune(
 
 
 @app.command()
+@attention_options
+def finetune(
+    model: Annotated[str, typer.Argument(help="Hub id, local folder or package:NAME (any head, or none).")],
+    task: Annotated[str, typer.Option("--task", "-t", help="The task to train on (one with a train split).")],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Folder for the fine-tuned checkpoint, finetune.json/.md, loss.png, checkpoints/.",
+        ),
+    ],
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="Train with the unmodified attention (the control).")
+    ] = False,
+    lora: Annotated[
+        bool,
+        typer.Option(
+            "--lora/--full",
+            help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
+            "extra of bert-cluster, or pip install peft), or every weight.",
+        ),
+    ] = True,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = 16,
+    lora_alpha: Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha.")] = 32,
+    epochs: Annotated[
+        float | None, typer.Option("--epochs", help="Passes over the train split (default 3).")
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Optimizer steps, instead of --epochs.")
+    ] = None,
+    learning_rate: Annotated[
+        float | None,
+        typer.Option("--learning-rate", "--lr", help="Peak learning rate (default 5e-4 LoRA, 2e-5 full)."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples (SQuAD: windows) per step.")] = 16,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the data order, new weights, dropout and hash planes.")
+    ] = 0,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Train under bf16 autocast.")] = False,
+    save_steps: Annotated[
+        int, typer.Option("--save-steps", help="A checkpoint every N steps (OUT/checkpoints).")
+    ] = 500,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in OUT from its last complete checkpoint.")
+    ] = False,
+    overwrite: OverwriteOpt = False,
+    data_dir: Annotated[
+        list[Path] | None,
+        typer.Option("--data-dir", help="Folder with the task's train file (searched one level down too)."),
+    ] = None,
+    max_length: Annotated[
+        int | None, typer.Option("--max-length", help="Truncation length (default the task's).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Train on the first N rows.")] = None,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    attention: dict[str, Any] | None = None,
+) -> None:
+    """Fine-tune MODEL on a task's train split with clustered attention in the loop (docs/finetune.md).
+
+    OUT then holds a converted checkpoint that `bert-cluster evaluate OUT` scores. After Ctrl-C or a
+    kill, the same command with --resume continues from the last checkpoint.
+    """
+    from bert_cluster.errors import UserError
+
+    reporter = None
+    if not (quiet or as_json):
+        from bert_cluster.render import progress_reporter
+
+        reporter = progress_reporter(stderr)
+    with user_errors():
+        config = None
+        if exact:
+            given = [name for name, value in (("--clusters", clusters), ("--mode", mode)) if value]
+            given += [f"--{name.replace('_', '-')}" for name in attention or {}]
+            if given:
+                raise UserError(f"--exact trains with the unmodified attention: drop {', '.join(given)}")
+        else:
+            config = _one_config(ClusteredAttentionConfig.for_evaluation(), attention, clusters, mode, seed)
+        from bert_cluster.finetuning import FinetuneInterrupted
+        from bert_cluster.finetuning import finetune as run_finetune
+
+        try:
+            result = run_finetune(
+                model,
+                task,
+                output,
+                attention=config,
+                exact=exact,
+                lora=lora,
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                epochs=epochs,
+                max_steps=max_steps,
+                learning_rate=learning_rate,
+                batch_size=batch_size,
+                seed=seed,
+                bf16=bf16,
+                save_steps=save_steps,
+                resume=resume,
+                overwrite=overwrite,
+                data_dir=list(data_dir) if data_dir else None,
+                max_length=max_length,
+                limit=limit,
+                device=device,
+                reporter=reporter,
+            )
+        except FinetuneInterrupted as interrupted:
+            where = (
+                f"last checkpoint {interrupted.checkpoint}; continue with the same command and --resume"
+                if interrupted.checkpoint
+                else "no checkpoint was written yet"
+            )
+            stderr.print(f"interrupted: {where}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(130) from None
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    last = result.loss_curve[-1]["loss"] if result.loss_curve else float("nan")
+    stdout.print(
+        f"saved {result.output} ({result.steps} steps, last loss {last:.4f}); "
+        f"score it with: bert-cluster evaluate {result.output} --task {result.settings['task']}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@app.command()
 def info(as_json: JsonOpt = False) -> None:
     """Versions, kernel build status and each backend's availability."""
     import bert_cluster

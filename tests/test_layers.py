@@ -1,8 +1,10 @@
 """The package's layers, read from its imports (top-level and inside functions) with ``ast``.
 
 docs/development.md draws the same picture. A module may import its own layer and the layers below it;
-a feature (``evaluation``, ``embedding``, ``inspection``) imports no other feature; no module imports a
-private name (``_x``) of another unit; only the shell imports the package's facade (``bert_cluster``).
+a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``) imports no other feature, save
+that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task definitions and
+data loading (``SHARED``); no module imports a private name (``_x``) of another unit; only the shell
+imports the package's facade (``bert_cluster``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_build",
     ),
     "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
-    "features": ("evaluation", "embedding", "inspection"),
+    "features": ("evaluation", "embedding", "inspection", "finetuning"),
     "shell": ("render", "cli", "__main__"),
 }
+#: Another feature's modules a feature may import (public names only): finetuning, the tasks and rows.
+SHARED = {"finetuning": ("bert_cluster.evaluation.tasks", "bert_cluster.evaluation.data")}
 #: The public API module (``bert_cluster/__init__.py``): it sits on the core and reaches the features
 #: lazily; below the shell nothing imports it.
 FACADE = "bert_cluster"
@@ -108,7 +112,7 @@ def violations(files: dict[str, str], packages: set[str]) -> list[str]:
                 continue
             if RANK[other] > RANK[unit]:
                 problems.append(f"{where}: {LAYER_OF[unit]} imports {LAYER_OF[other]} (a layer above)")
-            elif LAYER_OF[unit] == LAYER_OF[other] == "features":
+            elif LAYER_OF[unit] == LAYER_OF[other] == "features" and target not in SHARED.get(unit, ()):
                 problems.append(f"{where}: a feature imports another feature")
             elif private(target, name) and not LAYER_OF[unit] == LAYER_OF[other] == "core":
                 problems.append(f"{where}: a private name of another unit")
@@ -145,6 +149,8 @@ def test_the_package_keeps_its_layers():
         ("bert_cluster.embedding.run", "from bert_cluster.evaluation import data\n", "another feature"),
         ("bert_cluster.inspection", "def f():\n    from bert_cluster.evaluation import tuner\n", "another"),
         ("bert_cluster.embedding.run", "from ..evaluation.data import load_rows\n", "another feature"),
+        ("bert_cluster.finetuning", "from bert_cluster.evaluation import runner\n", "another feature"),
+        ("bert_cluster.finetuning", "from bert_cluster.evaluation.data import _squad_rows\n", "private name"),
         ("bert_cluster.reports", "import bert_cluster\n", "only the shell imports the facade"),
         ("bert_cluster.checkpoints", "from bert_cluster import convert\n", "only the shell imports"),
         ("bert_cluster.inspection", "from bert_cluster.hf import _layer_indices\n", "a private name"),

@@ -51,6 +51,7 @@ def test_import_is_lean():
         "convert",
         "embed",
         "evaluate",
+        "finetune",
         "info",
         "inspect_model",
         "revert",

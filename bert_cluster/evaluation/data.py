@@ -21,7 +21,11 @@ from typing import Any
 from bert_cluster import environment
 from bert_cluster.datafiles import PACKAGE_DATA, load_dataset
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.tasks import LocalFile, TaskConfig, get_tasks
+from bert_cluster.evaluation.tasks import DataSpec, LocalFile, TaskConfig, get_tasks
+
+#: The splits a task may have: ``dev`` (its ``data:``, what evaluation scores) and ``train`` (its
+#: ``train:``, what ``finetune`` trains on).
+SPLITS = ("dev", "train")
 
 #: Extra data folders, separated by ``os.pathsep``, searched after the ones passed explicitly.
 DATA_DIR_ENV = environment.DATA_DIR
@@ -48,21 +52,39 @@ def data_dirs(explicit: Sequence[str | Path] | str | Path | None) -> list[Path]:
     return folders + environment.data_dirs()
 
 
-def candidates(task: TaskConfig, folders: Sequence[Path]) -> list[tuple[str, LocalFile]]:
+def split_data(task: TaskConfig, split: str = "dev") -> DataSpec:
+    """Where ``split`` of ``task`` lives.
+
+    Raises:
+        UserError: an unknown split, or a task without a ``train:`` split asked for it.
+    """
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
+    if split == "dev":
+        return task.data
+    if task.train is None:
+        raise UserError(f"task {task.name} has no train split (no train: in {task.source or 'its config'})")
+    return task.train.data
+
+
+def candidates(task: TaskConfig, folders: Sequence[Path], split: str = "dev") -> list[tuple[str, LocalFile]]:
     """Every path pattern looked at, in search order, with the file spec it belongs to."""
+    files = split_data(task, split).files
     patterns = [
         (str(folder / prefix / spec.path), spec)
         for folder in folders
-        for spec in task.data.files
+        for spec in files
         if not spec.packaged
         for prefix in ("", "*")
     ]
-    return patterns + [(str(PACKAGE_DATA / spec.path), spec) for spec in task.data.files if spec.packaged]
+    return patterns + [(str(PACKAGE_DATA / spec.path), spec) for spec in files if spec.packaged]
 
 
-def find_local(task: TaskConfig, folders: Sequence[Path]) -> tuple[Path, LocalFile] | None:
-    """The first existing local file for ``task``, or None."""
-    for pattern, spec in candidates(task, folders):
+def find_local(
+    task: TaskConfig, folders: Sequence[Path], split: str = "dev"
+) -> tuple[Path, LocalFile] | None:
+    """The first existing local file for ``split`` of ``task``, or None."""
+    for pattern, spec in candidates(task, folders, split):
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for match in matches:
             if os.path.isfile(match):
@@ -98,8 +120,17 @@ def _read_delimited(path: Path, spec: LocalFile) -> Any:
     )
 
 
-def _squad_rows(articles: Any, path: Path) -> list[dict[str, Any]]:
-    """The official SQuAD JSON (v1.1 or v2.0) as flat rows shaped like the hub dataset."""
+def _squad_rows(articles: Any, path: Path, chosen: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """The official SQuAD JSON (v1.1 or v2.0) as flat rows shaped like the hub dataset.
+
+    ``chosen``: only articles first..last (1-based, inclusive), e.g. a split of dev by article.
+    """
+    articles = list(articles)
+    if chosen is not None:
+        first, last = chosen
+        if last > len(articles):
+            raise UserError(f"{path} has {len(articles)} articles; the task asks for articles {first}-{last}")
+        articles = articles[first - 1 : last]
     rows = []
     for article in articles:
         for paragraph in article["paragraphs"] or []:
@@ -170,7 +201,8 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
         elif spec.format in ("json", "jsonl"):
             dataset = load_dataset("json", data_files=str(path), split="train")
         elif spec.format == "squad-json":
-            return _squad_rows(load_dataset("json", data_files=str(path), field="data", split="train"), path)
+            data = load_dataset("json", data_files=str(path), field="data", split="train")
+            return _squad_rows(data, path, spec.articles)
         else:  # retrieval-json; tasks.py allows nothing else
             return _retrieval_rows(path)
     except UserError:
@@ -183,39 +215,43 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
         raise UserError(f"{path}: {error}") from None
 
 
-def load_hub(task: TaskConfig) -> Rows:
+def load_hub(task: TaskConfig, split: str = "dev") -> Rows:
     """``datasets.load_dataset(path, name, split=...)`` for users who can reach the hub."""
-    hub = task.data.hub
+    hub = split_data(task, split).hub
     assert hub is not None
     dataset = load_dataset(hub.path, hub.name, split=hub.split)
     name = f"/{hub.name}" if hub.name else ""
     return Rows(rows=dataset.to_list(), source=f"hub:{hub.path}{name}:{hub.split}")
 
 
-def load_rows(task: TaskConfig, folders: Sequence[str | Path] | str | Path | None = None) -> Rows:
-    """The task's evaluation rows, from the first local file found, else from the hub.
+def load_rows(
+    task: TaskConfig, folders: Sequence[str | Path] | str | Path | None = None, split: str = "dev"
+) -> Rows:
+    """The task's rows of ``split`` (``dev``: what evaluation scores; ``train``), local first, else the hub.
 
     Raises:
         UserError: nothing local and (no data folder was given and) the hub could not be read; the
             message names every path looked at.
     """
     searched = data_dirs(folders)
-    found = find_local(task, searched)
+    spec_data = split_data(task, split)
+    named = "" if split == "dev" else f"{split} "  # the dev split's messages as they always were
+    found = find_local(task, searched, split)
     if found is not None:
         path, spec = found
         rows = Rows(rows=read_file(path, task, spec), source=str(path.resolve()))
     else:
-        looked = [pattern for pattern, _ in candidates(task, searched)]
+        looked = [pattern for pattern, _ in candidates(task, searched, split)]
         where = f"looked at: {', '.join(looked)}" if looked else "no --data-dir given"
-        if task.data.hub is None or searched:
+        if spec_data.hub is None or searched:
             # An explicit data folder means "offline": do not wait on an unreachable hub.
-            raise UserError(f"no data file for task {task.name} ({where})")
+            raise UserError(f"no {named}data file for task {task.name} ({where})")
         try:
-            rows = load_hub(task)
+            rows = load_hub(task, split)
         except Exception as error:  # noqa: BLE001 - any failure means: not reachable here
             raise UserError(
-                f"no data for task {task.name}: {where}, and the hub dataset {task.data.hub.path} could not "
-                f"be loaded ({one_line(error)}); pass --data-dir with the task's files"
+                f"no {named}data for task {task.name}: {where}, and the hub dataset {spec_data.hub.path} "
+                f"could not be loaded ({one_line(error)}); pass --data-dir with the task's files"
             ) from None
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,15 @@ _TOP_KEYS = {
     "options",
     "include",
     "metadata",
+    "train",
 }
 _DATA_KEYS = {"hub", "files"}
+_TRAIN_KEYS = {"hub", "files", "loss"}
+#: The losses a ``train:`` split may name: what the model's own head computes from the labels
+#: (``bert-cluster finetune``): classes, a regression score, a SQuAD answer span.
+TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy")
 _HUB_KEYS = {"path", "name", "split"}
-_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged"}
+_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles"}
 
 
 def config_root() -> Path:
@@ -80,6 +86,8 @@ class LocalFile:
         quoting: honour double quotes in TSV/CSV (GLUE's sentence files need this off).
         encoding: text encoding (``utf-8-sig`` drops MRPC's byte-order mark).
         packaged: the file ships in ``bert_cluster/data`` (searched after the user's data folders).
+        articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` file
+            (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint was trained).
     """
 
     path: str
@@ -89,6 +97,7 @@ class LocalFile:
     quoting: bool = False
     encoding: str = "utf-8-sig"
     packaged: bool = False
+    articles: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,14 @@ class DataSpec:
 
     files: tuple[LocalFile, ...] = ()
     hub: HubSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """Where a task's training split lives and the loss it is trained with (``bert-cluster finetune``)."""
+
+    data: DataSpec
+    loss: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +142,7 @@ class TaskConfig:
         batch_size: default batch size.
         options: kind-specific settings (e.g. SQuAD's ``doc_stride``); validated by the kind.
         source: the YAML file this came from.
+        train: the training split and its loss (None: the task cannot be fine-tuned on).
     """
 
     name: str
@@ -140,6 +158,7 @@ class TaskConfig:
     batch_size: int = 32
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     source: str | None = None
+    train: TrainSpec | None = None
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -206,6 +225,18 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
         _require(where, ok, f"column for {field!r} must be a name or an int position, got {column!r}")
     for flag in ("header", "quoting", "packaged"):
         _require(where, isinstance(raw.get(flag, True), bool), f"{flag} must be true or false")
+    articles = raw.get("articles")
+    if articles is not None:
+        _require(
+            where,
+            fmt == "squad-json"
+            and isinstance(articles, list)
+            and len(articles) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in articles)
+            and 1 <= articles[0] <= articles[1],
+            f"articles must be [first, last] (1-based, first <= last) of a squad-json file, got {articles!r}",
+        )
+        articles = (articles[0], articles[1])
     return LocalFile(
         path=raw["path"],
         format=fmt,
@@ -214,7 +245,24 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
         quoting=raw.get("quoting", False),
         encoding=raw.get("encoding", "utf-8-sig"),
         packaged=raw.get("packaged", False),
+        articles=articles,
     )
+
+
+def _parse_data(where: str, data: Any, keys: set[str], split: str) -> DataSpec:
+    """A ``data:`` (or ``train:``) mapping: local files, then the hub dataset (``split`` by default)."""
+    _require(where, isinstance(data, Mapping), "must be a mapping")
+    _check_keys(where, data, keys)
+    files = data.get("files") or []
+    _require(where, isinstance(files, list), "files must be a list")
+    hub = data.get("hub")
+    hub_spec = None
+    if hub is not None:
+        _require(where, isinstance(hub, Mapping), "hub must be a mapping")
+        _check_keys(where + " hub", hub, _HUB_KEYS)
+        _require(where, isinstance(hub.get("path"), str), "hub needs a path (a hub dataset id)")
+        hub_spec = HubSpec(path=hub["path"], name=hub.get("name"), split=hub.get("split", split))
+    return DataSpec(files=tuple(_parse_file(where, item) for item in files), hub=hub_spec)
 
 
 def parse_task(raw: Mapping[str, Any], source: str | None = None) -> TaskConfig:
@@ -235,17 +283,13 @@ def parse_task(raw: Mapping[str, Any], source: str | None = None) -> TaskConfig:
 
     data = raw.get("data") or {}
     _require(where, isinstance(data, Mapping), "data must be a mapping")
-    _check_keys(where + " data", data, _DATA_KEYS)
-    files = data.get("files") or []
-    _require(where, isinstance(files, list), "data.files must be a list")
-    hub = data.get("hub")
-    hub_spec = None
-    if hub is not None:
-        _require(where, isinstance(hub, Mapping), "data.hub must be a mapping")
-        _check_keys(where + " data.hub", hub, _HUB_KEYS)
-        _require(where, isinstance(hub.get("path"), str), "data.hub needs a path (a hub dataset id)")
-        hub_spec = HubSpec(path=hub["path"], name=hub.get("name"), split=hub.get("split", "validation"))
-    spec = DataSpec(files=tuple(_parse_file(where, item) for item in files), hub=hub_spec)
+    spec = _parse_data(where + " data", data, _DATA_KEYS, "validation")
+    train = None
+    if raw.get("train") is not None:
+        _require(where, isinstance(raw["train"], Mapping), "train must be a mapping")
+        loss = raw["train"].get("loss")
+        _require(where, loss in TRAIN_LOSSES, f"train.loss must be one of {TRAIN_LOSSES}, got {loss!r}")
+        train = TrainSpec(data=_parse_data(where + " train", raw["train"], _TRAIN_KEYS, "train"), loss=loss)
 
     text_fields = raw.get("text_fields") or []
     _require(
@@ -305,6 +349,7 @@ def parse_task(raw: Mapping[str, Any], source: str | None = None) -> TaskConfig:
         batch_size=raw.get("batch_size", 32),
         options=dict(options),
         source=source,
+        train=train,
     )
 
 
@@ -379,3 +424,67 @@ def get_tasks(names: str | list[str] | tuple[str, ...], root: Path | None = None
             f"unknown task(s) {', '.join(unknown)}; known: {', '.join(sorted(catalog.tasks))}{broken}"
         )
     return [catalog.tasks[name] for name in dict.fromkeys(wanted)]
+
+
+_GENERIC = re.compile(r"label_?\d+")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[\s_\-]+", "", str(name).lower())
+
+
+def label_mapping(id2label: Mapping[Any, str], num_labels: int, task: TaskConfig) -> list[int] | None:
+    """Model output index -> dataset label index, or None for "same order" (and for regression).
+
+    Raises:
+        UserError: the head has the wrong number of outputs, or its label names are not the task's.
+    """
+    names = task.label_names
+    if names is None:
+        if num_labels != 1:
+            raise UserError(
+                f"task {task.name} is a regression (one output); the model's head has {num_labels}"
+            )
+        return None
+    if num_labels != len(names):
+        raise UserError(
+            f"task {task.name} has {len(names)} labels ({', '.join(names)}); "
+            f"the model's head has {num_labels}"
+        )
+    model_names = [
+        str(id2label.get(index, id2label.get(str(index), f"LABEL_{index}"))) for index in range(num_labels)
+    ]
+    if all(_GENERIC.fullmatch(_normal(name)) for name in model_names):
+        return None
+    wanted = [_normal(name) for name in names]
+    given = [_normal(name) for name in model_names]
+    if sorted(wanted) != sorted(given):
+        raise UserError(
+            f"the model's labels {model_names} do not match task {task.name}'s labels {list(names)}; "
+            "refusing to guess the mapping (rename the checkpoint's id2label)"
+        )
+    mapping = [wanted.index(name) for name in given]
+    return None if mapping == list(range(num_labels)) else mapping
+
+
+def label_index(value: Any, task: TaskConfig) -> int | float:
+    """A gold label as the dataset's index (or a float score): accepts indices and label names."""
+    if task.label_names is None:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"task {task.name}: regression label {value!r} is not a number") from None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            value = int(text)
+        else:
+            normal = [_normal(name) for name in task.label_names]
+            if _normal(text) not in normal:
+                raise UserError(f"task {task.name}: label {value!r} is not one of {list(task.label_names)}")
+            return normal.index(_normal(text))
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value < len(task.label_names):
+        raise UserError(f"task {task.name}: label {value!r} is not an index into {list(task.label_names)}")
+    return value

@@ -1,14 +1,14 @@
 """The ``classification`` task kind: GLUE-style sequence (pair) classification, and regression (STS-B).
 
-The checkpoint's label order need not be the dataset's: ``label_mapping`` matches the names in
-``config.id2label`` with the task's ``label_names`` and scores through that permutation, or refuses
-(never a silently inverted accuracy). Generic names (LABEL_0, LABEL_1, ...) mean "the dataset's order".
+The checkpoint's label order need not be the dataset's: ``label_mapping`` (in ``tasks.py``, shared with
+``finetune``) matches the names in ``config.id2label`` with the task's ``label_names`` and scores through
+that permutation, or refuses (never a silently inverted accuracy). Generic names (LABEL_0, LABEL_1, ...)
+mean "the dataset's order".
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,70 +28,7 @@ from bert_cluster.evaluation.kinds import (
     register_kind,
 )
 from bert_cluster.evaluation.metrics import GLUE_METRICS, glue_metric
-from bert_cluster.evaluation.tasks import TaskConfig
-
-_GENERIC = re.compile(r"label_?\d+")
-
-
-def _normal(name: str) -> str:
-    return re.sub(r"[\s_\-]+", "", str(name).lower())
-
-
-def label_mapping(id2label: Mapping[Any, str], num_labels: int, task: TaskConfig) -> list[int] | None:
-    """Model output index -> dataset label index, or None for "same order" (and for regression).
-
-    Raises:
-        UserError: the head has the wrong number of outputs, or its label names are not the task's.
-    """
-    names = task.label_names
-    if names is None:
-        if num_labels != 1:
-            raise UserError(
-                f"task {task.name} is a regression (one output); the model's head has {num_labels}"
-            )
-        return None
-    if num_labels != len(names):
-        raise UserError(
-            f"task {task.name} has {len(names)} labels ({', '.join(names)}); "
-            f"the model's head has {num_labels}"
-        )
-    model_names = [
-        str(id2label.get(index, id2label.get(str(index), f"LABEL_{index}"))) for index in range(num_labels)
-    ]
-    if all(_GENERIC.fullmatch(_normal(name)) for name in model_names):
-        return None
-    wanted = [_normal(name) for name in names]
-    given = [_normal(name) for name in model_names]
-    if sorted(wanted) != sorted(given):
-        raise UserError(
-            f"the model's labels {model_names} do not match task {task.name}'s labels {list(names)}; "
-            "refusing to guess the mapping (rename the checkpoint's id2label)"
-        )
-    mapping = [wanted.index(name) for name in given]
-    return None if mapping == list(range(num_labels)) else mapping
-
-
-def label_index(value: Any, task: TaskConfig) -> int | float:
-    """A gold label as the dataset's index (or a float score): accepts indices and label names."""
-    if task.label_names is None:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"task {task.name}: regression label {value!r} is not a number") from None
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("-").isdigit():
-            value = int(text)
-        else:
-            normal = [_normal(name) for name in task.label_names]
-            if _normal(text) not in normal:
-                raise UserError(f"task {task.name}: label {value!r} is not one of {list(task.label_names)}")
-            return normal.index(_normal(text))
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or not 0 <= value < len(task.label_names):
-        raise UserError(f"task {task.name}: label {value!r} is not an index into {list(task.label_names)}")
-    return value
+from bert_cluster.evaluation.tasks import TaskConfig, label_index, label_mapping
 
 
 class ClassificationKind:
