@@ -70,7 +70,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
         BOTH,
         "reference.group_queries",
-        backward=AUTOGRAD,
+        backward="group_queries_backward",
     ),
     Step(
         "centroid_attention",
@@ -78,7 +78,7 @@ STEPS: tuple[Step, ...] = (
         "-> (Tensor, Tensor, Tensor, Tensor)",
         BOTH,
         "reference.centroid_attention",
-        backward=AUTOGRAD,
+        backward="centroid_attention_backward",
     ),
     Step(
         "topk_refine",
@@ -93,7 +93,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor centroid_values, Tensor assignments) -> Tensor",
         BOTH,
         "reference.broadcast_clusters",
-        backward=AUTOGRAD,
+        backward="broadcast_clusters_backward",
     ),
     Step(
         "banded_attention",
@@ -110,7 +110,8 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)",
         CPU,
         "reference.lloyd_refine",
-        backward=AUTOGRAD,
+        # Its centroids are the means of its final partition: group_queries' backward with those assignments.
+        backward="group_queries_backward",
     ),
     Step(
         "refine_with_query_mass",
@@ -138,6 +139,29 @@ STEPS: tuple[Step, ...] = (
         "Tensor topk_values, float scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         CPU,
         "reference.refine_with_query_mass_backward",
+    ),
+    # The backward of the steps before the refinement (kernels/cpu/backward_steps.cpp): centroid attention
+    # given its top-k choice, the means (group_queries, and lloyd_refine's centroids given its final
+    # partition), the broadcast of the centroids' rows.
+    Step(
+        "centroid_attention_backward",
+        "(Tensor grad_centroid_values, Tensor grad_topk_mass, Tensor grad_topk_values, Tensor centroids, "
+        "Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, float scaling) "
+        "-> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.centroid_attention_backward",
+    ),
+    Step(
+        "group_queries_backward",
+        "(Tensor grad_centroids, Tensor queries, Tensor assignments) -> Tensor",
+        CPU,
+        "reference.group_queries_backward",
+    ),
+    Step(
+        "broadcast_clusters_backward",
+        "(Tensor grad_out, Tensor centroid_values, Tensor assignments) -> Tensor",
+        CPU,
+        "reference.broadcast_clusters_backward",
     ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
     # composed steps' result bit for bit.
