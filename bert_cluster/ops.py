@@ -407,7 +407,8 @@ def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept
 
 # The refinements' backward as ops: the CPU kernels (kernels/cpu/backward.cpp) where they are built, and
 # elsewhere (the CUDA tensors, a build without kernels) the gradient of the reference function, registered
-# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast).
+# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast),
+# except topk_refine_backward's queries, keys and values: read in their dtype and layout, as the forward.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::topk_refine_backward")
@@ -417,9 +418,9 @@ def _topk_refine_backward_fake(
     rows, heads, clusters, _ = topk_indices.shape
     centroid_grad = values.new_empty((rows, heads, clusters, values.shape[-1]))
     return (
-        torch.empty_like(queries),
-        torch.empty_like(keys),
-        torch.empty_like(values),
+        torch.empty_like(queries, dtype=torch.float32),
+        torch.empty_like(keys, dtype=torch.float32),
+        torch.empty_like(values, dtype=torch.float32),
         centroid_grad,
         topk_mass.new_empty(topk_mass.shape),
         torch.empty_like(centroid_grad),
@@ -580,11 +581,11 @@ def _wide(tensor: torch.Tensor) -> torch.Tensor:
 def _topk_refine_gradient(
     grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
 ):
-    found = topk_refine_backward(
+    found = topk_refine_backward(  # q, k, v read in their dtype and layout (no widened copies)
         _wide(grads[0]),
-        _wide(queries),
-        _wide(keys),
-        _wide(values),
+        queries,
+        keys,
+        values,
         assignments.contiguous(),
         topk_indices.contiguous(),
         _wide(topk_mass),

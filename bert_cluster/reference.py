@@ -577,7 +577,7 @@ def topk_refine_backward(
     topk_mass: torch.Tensor,
     scaling: float,
 ) -> tuple[torch.Tensor, ...]:
-    """``topk_refine``'s input gradients: queries, keys, values, centroid values, top-k mass, top-k values.
+    """``topk_refine``'s input gradients, float32: queries, keys, values, centroid values, mass, top-k values.
 
     The gradient does not depend on the centroid and top-k values (they enter the output as a
     difference), so the op does not take them: zeros stand in.
@@ -585,7 +585,8 @@ def topk_refine_backward(
     rows, heads, clusters, _ = topk_indices.shape
     blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
     inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
-    return tuple(_gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
+    # float32 (float64 for float64) whatever the inputs' dtype, as the kernel gives them
+    return tuple(_wide(g) for g in _gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
 
 
 def refine_with_query_mass_backward(
