@@ -123,13 +123,14 @@ STEPS: tuple[Step, ...] = (
         backward="refine_with_query_mass_backward",
     ),
     # The refinements' backward (issue 38): the exact gradient given the forward's discrete choices, from
-    # the output gradient (kernels/cpu/backward.cpp; elsewhere the reference's, by autograd).
+    # the output gradient (kernels/cpu/backward.cpp, kernels/cuda/backward.cu; where no kernel is built the
+    # reference's, by autograd).
     Step(
         "topk_refine_backward",
         "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor assignments, "
         "Tensor topk_indices, Tensor topk_mass, float scaling) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.topk_refine_backward",
     ),
     Step(
@@ -140,27 +141,27 @@ STEPS: tuple[Step, ...] = (
         CPU,
         "reference.refine_with_query_mass_backward",
     ),
-    # The backward of the steps before the refinement (kernels/cpu/backward_steps.cpp): centroid attention
-    # given its top-k choice, the means (group_queries, and lloyd_refine's centroids given its final
-    # partition), the broadcast of the centroids' rows.
+    # The backward of the steps before the refinement (kernels/cpu/backward_steps.cpp, cuda/backward.cu):
+    # centroid attention given its top-k choice, the means (group_queries, and lloyd_refine's centroids
+    # given its final partition), the broadcast of the centroids' rows.
     Step(
         "centroid_attention_backward",
         "(Tensor grad_centroid_values, Tensor grad_topk_mass, Tensor grad_topk_values, Tensor centroids, "
         "Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, float scaling) "
         "-> (Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.centroid_attention_backward",
     ),
     Step(
         "group_queries_backward",
         "(Tensor grad_centroids, Tensor queries, Tensor assignments) -> Tensor",
-        CPU,
+        BOTH,
         "reference.group_queries_backward",
     ),
     Step(
         "broadcast_clusters_backward",
         "(Tensor grad_out, Tensor centroid_values, Tensor assignments) -> Tensor",
-        CPU,
+        BOTH,
         "reference.broadcast_clusters_backward",
     ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
