@@ -463,6 +463,11 @@ def _broadcast_clusters_backward_fake(grad_out, centroid_values, assignments):
     return torch.empty_like(centroid_values)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::banded_attention_backward")
+def _banded_attention_backward_fake(grad_out, queries, keys, values, valid, window, scaling):
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (queries, keys, values))
+
+
 @contextlib.contextmanager
 def autograd_inside_an_op():
     """Autograd recording inside an op's implementation, which the dispatcher runs below autograd.
@@ -574,6 +579,22 @@ def broadcast_clusters_backward(
     return _ops.broadcast_clusters_backward.default(grad_out, centroid_values, assignments)
 
 
+def banded_attention_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.banded_attention_backward``: float32 gradients of queries, keys and values."""
+    _ensure_loaded()
+    return _ops.banded_attention_backward.default(
+        grad_out, queries, keys, values, valid, int(window), float(scaling)
+    )
+
+
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float().contiguous()
 
@@ -683,7 +704,6 @@ def _register_gradient(op: str, gradient, kept_outputs: tuple[int, ...] = ()) ->
 
 
 def _register_backwards() -> None:
-    from bert_cluster import reference as ref
 
     # group_queries(queries, assignments, clusters) -> (centroids, counts)
     _register_gradient("group_queries", lambda g, q, a, c: [_means_gradient(g[0], q, a), None, None])
@@ -703,7 +723,13 @@ def _register_backwards() -> None:
     # broadcast_clusters(Vc, assignments) -> out
     _register_gradient("broadcast_clusters", _broadcast_gradient)
     # banded_attention(queries, keys, values, valid, window, scaling) -> out
-    _register_backward("banded_attention", (0, 1, 2), lambda *args: (ref.banded_attention(*args),))
+    _register_gradient(
+        "banded_attention",
+        lambda g, q, k, v, valid, window, scaling: [
+            *banded_attention_backward(_wide(g[0]), q, k, v, valid.contiguous(), window, scaling),
+            None, None, None,
+        ],
+    )  # fmt: skip
 
 
 _register_backwards()

@@ -657,3 +657,17 @@ def broadcast_clusters_backward(
     """``broadcast_clusters``' gradient of the centroid values: the sum of their members' output gradients."""
     (found,) = _gradients(broadcast_clusters, [centroid_values, assignments], [0], grad_out)
     return found
+
+
+def banded_attention_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """``banded_attention``'s gradients of queries, keys and values, float32 (float64 for float64)."""
+    inputs = [queries, keys, values, valid, window, scaling]
+    return tuple(_wide(g) for g in _gradients(banded_attention, inputs, [0, 1, 2], grad_out))

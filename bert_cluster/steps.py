@@ -100,7 +100,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor",
         BOTH,
         "reference.banded_attention",
-        backward=AUTOGRAD,
+        backward="banded_attention_backward",
     ),
     # Exact attention on short rows is torch's SDPA in attention.py: no op; every backend runs the reference.
     Step("exact_attention", None, (), "reference.exact_attention"),
@@ -163,6 +163,13 @@ STEPS: tuple[Step, ...] = (
         "(Tensor grad_out, Tensor centroid_values, Tensor assignments) -> Tensor",
         BOTH,
         "reference.broadcast_clusters_backward",
+    ),
+    Step(
+        "banded_attention_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, "
+        "float scaling) -> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.banded_attention_backward",
     ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
     # composed steps' result bit for bit.

@@ -257,7 +257,155 @@ void group_backward_head(const float* grad, const HeadRows& q, const int64_t* as
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// banded_attention: query i attends to the valid keys l with |i - l| <= window, P = softmax(s q.K_l), out =
+// sum P V_l. dP_l = g . V_l, dS = P (dP - sum P dP), dq = s sum dS K_l, dK_l += s dS q, dV_l += P g: one
+// thread per (row, head), queries in index order. As the reference: a non-finite value of a visible key
+// enters the product as 0 (no gradient of its own) and makes the output element it touches NaN, a
+// constant: those output elements pass no gradient.
+
+struct BandBackwardScratch {
+  Floats k, v, q, g, p, dp, dq;
+  std::vector<uint8_t> broken, seen;
+};
+
+template <typename T>
+void band_backward_head(const float* grad, const HeadRows& Q, const HeadRows& K, const HeadRows& V, const bool* ok,
+                        int64_t n, int64_t dk, int64_t dv, int64_t window, float scaling, float* dq, float* dkeys,
+                        float* dvalues, BandBackwardScratch& s) {
+  s.k.resize(n * dk);
+  s.v.resize(n * dv);
+  s.q.resize(dk);
+  s.g.resize(dv);
+  s.dq.resize(dk);
+  const int64_t span = 2 * std::min(window, n) + 1;
+  s.p.resize(span);
+  s.dp.resize(span);
+  bool any_broken = false;
+  for (int64_t l = 0; l < n; ++l) {
+    if (!ok[l]) continue;
+    widen(K.at<T>(l), s.k.data() + l * dk, dk);
+    widen(V.at<T>(l), s.v.data() + l * dv, dv);
+    for (int64_t d = 0; d < dv; ++d) any_broken |= !std::isfinite(s.v[l * dv + d]);
+  }
+  if (any_broken) {
+    s.broken.assign(n * dv, 0);
+    s.seen.resize(dv);
+    for (int64_t l = 0; l < n; ++l) {
+      if (!ok[l]) continue;
+      for (int64_t d = 0; d < dv; ++d) {
+        float& x = s.v[l * dv + d];
+        if (!std::isfinite(x)) {
+          s.broken[l * dv + d] = 1;
+          x = 0.f;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;  // a padded query's output is 0
+    const int64_t first = std::max<int64_t>(0, i - window), last = std::min(n - 1, i + window);
+    widen(Q.at<T>(i), s.q.data(), dk);
+    std::copy_n(grad + i * dv, dv, s.g.data());
+    if (any_broken) {
+      std::fill(s.seen.begin(), s.seen.end(), 0);
+      for (int64_t l = first; l <= last; ++l)
+        if (ok[l])
+          for (int64_t d = 0; d < dv; ++d) s.seen[d] |= s.broken[l * dv + d];
+      for (int64_t d = 0; d < dv; ++d)
+        if (s.seen[d]) s.g[d] = 0.f;
+    }
+    float top = kNegInf;
+    int64_t m = 0;
+    for (int64_t l = first; l <= last; ++l) {
+      if (!ok[l]) continue;
+      const float x = scaling * dot(s.q.data(), s.k.data() + l * dk, dk);
+      s.p[m++] = x;
+      top = std::max(top, x);
+    }
+    if (m == 0) continue;  // no valid key in the band: a zero output
+    float total = 0.f;
+    for (int64_t u = 0; u < m; ++u) {
+      s.p[u] = std::exp(s.p[u] - top);
+      total += s.p[u];
+    }
+    float weighted = 0.f;
+    int64_t u = 0;
+    for (int64_t l = first; l <= last; ++l) {
+      if (!ok[l]) continue;
+      s.p[u] /= total;
+      s.dp[u] = dot(s.g.data(), s.v.data() + l * dv, dv);
+      weighted += s.p[u] * s.dp[u];
+      ++u;
+    }
+    std::fill(s.dq.begin(), s.dq.end(), 0.f);
+    u = 0;
+    for (int64_t l = first; l <= last; ++l) {
+      if (!ok[l]) continue;
+      const float ds = scaling * s.p[u] * (s.dp[u] - weighted);
+      axpy(s.dq.data(), s.k.data() + l * dk, ds, dk);
+      axpy(dkeys + l * dk, s.q.data(), ds, dk);
+      axpy(dvalues + l * dv, s.g.data(), s.p[u], dv);
+      ++u;
+    }
+    std::copy_n(s.dq.data(), dk, dq + i * dk);
+  }
+  if (any_broken)
+    for (int64_t e = 0; e < n * dv; ++e)
+      if (s.broken[e]) dvalues[e] = 0.f;
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, int64_t window, double scaling) {
+  check_qkv(queries, keys, values);
+  check_float_input(grad_out, "grad_out");
+  const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
+  const int64_t dk = queries.size(3), dv = values.size(3);
+  check_valid(valid, rows, n, queries);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
+  TORCH_CHECK_VALUE(grad_out.sizes() == values.sizes(), "grad_out must be (R, H, N, Dv) = ", values.sizes(), ", got ",
+                    grad_out.sizes());
+  const at::Tensor g = grad_out.contiguous(), ok = valid.contiguous();
+  const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
+  const auto f32 = queries.options().dtype(at::kFloat);
+  at::Tensor dq = zeros_tensor({rows, heads, n, dk}, f32);
+  at::Tensor dkeys = zeros_tensor({rows, heads, n, dk}, f32);
+  at::Tensor dvalues = zeros_tensor({rows, heads, n, dv}, f32);
+  if (dq.numel() + dvalues.numel() == 0) return {dq, dkeys, dvalues};
+  const Rows qr = Rows::of(q), kr = Rows::of(kk), vr = Rows::of(vv);
+  const InputType type = input_type(q);
+  const int64_t span = 2 * std::min(window, n) + 1;
+  parallel_for(0, rows * heads, grain_for(n * span * (2 * dk + 2 * dv)), [&](int64_t begin, int64_t end) {
+    BandBackwardScratch scratch;
+    for (int64_t head = begin; head < end; ++head) {
+      const int64_t r = head / heads, h = head % heads;
+      const float* gh = g.data_ptr<float>() + head * n * dv;
+      float* dqh = dq.data_ptr<float>() + head * n * dk;
+      float* dkh = dkeys.data_ptr<float>() + head * n * dk;
+      float* dvh = dvalues.data_ptr<float>() + head * n * dv;
+      const bool* okr = ok.data_ptr<bool>() + r * n;
+      const float sc = static_cast<float>(scaling);
+      switch (type) {
+        case InputType::kFloat32:
+          band_backward_head<float>(gh, qr.head(r, h), kr.head(r, h), vr.head(r, h), okr, n, dk, dv, window, sc,
+                                    dqh, dkh, dvh, scratch);
+          break;
+        case InputType::kBFloat16:
+          band_backward_head<c10::BFloat16>(gh, qr.head(r, h), kr.head(r, h), vr.head(r, h), okr, n, dk, dv, window,
+                                            sc, dqh, dkh, dvh, scratch);
+          break;
+        case InputType::kFloat16:
+          band_backward_head<c10::Half>(gh, qr.head(r, h), kr.head(r, h), vr.head(r, h), okr, n, dk, dv, window, sc,
+                                        dqh, dkh, dvh, scratch);
+          break;
+      }
+    }
+  });
+  return {dq, dkeys, dvalues};
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
     const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,

@@ -70,4 +70,8 @@ at::Tensor group_queries_backward_cpu(const at::Tensor& grad_centroids, const at
 at::Tensor broadcast_clusters_backward_cpu(const at::Tensor& grad_out, const at::Tensor& centroid_values,
                                            const at::Tensor& assignments);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, int64_t window, double scaling);
+
 }  // namespace bert_cluster

@@ -22,6 +22,7 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("centroid_attention_backward", &centroid_attention_backward_cpu);
   m.impl("group_queries_backward", &group_queries_backward_cpu);
   m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cpu);
+  m.impl("banded_attention_backward", &banded_attention_backward_cpu);
 }
 
 }  // namespace bert_cluster

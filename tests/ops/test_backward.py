@@ -269,7 +269,12 @@ def test_backward_matches_reference_autograd(case: Case, backend: str, device: s
 
 
 #: The backward ops of the steps before the refinement, and the inputs each takes after the gradients.
-STEP_BACKWARDS = ("centroid_attention_backward", "group_queries_backward", "broadcast_clusters_backward")
+STEP_BACKWARDS = (
+    "centroid_attention_backward",
+    "group_queries_backward",
+    "broadcast_clusters_backward",
+    "banded_attention_backward",
+)
 
 
 def _step_backward_args(case: Case, seed: int = 0) -> dict:
@@ -289,6 +294,8 @@ def _step_backward_args(case: Case, seed: int = 0) -> dict:
         ),
         "group_queries_backward": (grad_like(centroids), q, assignments),
         "broadcast_clusters_backward": (grad_like(v.float()), vc, assignments),
+        # a band of clusters + 1 keys each side (window >= N at N = 1 and 7)
+        "banded_attention_backward": (grad_like(v.float()), q, k, v, valid, case.clusters + 1, scaling),
     }  # fmt: skip
 
 
@@ -471,6 +478,7 @@ def _op_cases():
         ),
         "group_queries_backward": (torch.randn(centroids.shape), q, plus),
         "broadcast_clusters_backward": (torch.randn(rows, heads, n, dim), vc, plus),
+        "banded_attention_backward": (torch.randn(rows, heads, n, dim), q, k, v, valid, 3, scaling),
     }  # fmt: skip
 
 
