@@ -146,23 +146,17 @@ struct TopkCluster {
     }
   }
 
-  // out[0..kp) = sum_d x[d] * t[d * kp + 0..kp): in registers for up to 32 slots (the usual k), else in memory.
+  // out[0..kp) = sum_d x[d] * t[d * kp + 0..kp), 32 slots at a time in registers (kp: a multiple of 16).
   void slot_products(const float* x, const float* t, int64_t d_count, float* out) const {
-    if (kp <= 32) {
+    for (int64_t base = 0; base < kp; base += 32) {
+      const bool pair = base + 16 < kp;
       f32x16 a0 = {}, a1 = {};
       for (int64_t d = 0; d < d_count; ++d) {
-        a0 += x[d] * load_vec<f32x16>(t + d * kp);
-        if (kp == 32) a1 += x[d] * load_vec<f32x16>(t + d * kp + 16);
+        a0 += x[d] * load_vec<f32x16>(t + d * kp + base);
+        if (pair) a1 += x[d] * load_vec<f32x16>(t + d * kp + base + 16);
       }
-      store_vec(out, a0);
-      if (kp == 32) store_vec(out + 16, a1);
-      return;
-    }
-    std::fill(out, out + kp, 0.f);
-    for (int64_t d = 0; d < d_count; ++d) {
-      const float w = x[d];
-      const float* row = t + d * kp;
-      for (int64_t u = 0; u < kp; ++u) out[u] += w * row[u];
+      store_vec(out + base, a0);
+      if (pair) store_vec(out + base + 16, a1);
     }
   }
 

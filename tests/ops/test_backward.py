@@ -62,6 +62,7 @@ GRID = [
     Case(200, 10, 16, 32, 32, "bf16", False),
     Case(200, 25, 32, 64, 16, "fp32", True, ties=True),  # many exactly equal scores
     Case(513, 25, 32, 64, 64, "fp32", True),
+    Case(300, 6, 91, 32, 32, "fp32", True),  # k > 32: the refinements' slots in three passes of 32
 ]
 
 
