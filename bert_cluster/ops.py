@@ -413,7 +413,8 @@ def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept
 
 # The refinements' backward as ops: the CPU kernels (kernels/cpu/backward.cpp) where they are built, and
 # elsewhere (the CUDA tensors, a build without kernels) the gradient of the reference function, registered
-# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast).
+# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast),
+# except topk_refine_backward's queries, keys and values: read in their dtype and layout, as the forward.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::topk_refine_backward")
@@ -423,9 +424,9 @@ def _topk_refine_backward_fake(
     rows, heads, clusters, _ = topk_indices.shape
     centroid_grad = values.new_empty((rows, heads, clusters, values.shape[-1]))
     return (
-        torch.empty_like(queries),
-        torch.empty_like(keys),
-        torch.empty_like(values),
+        torch.empty_like(queries, dtype=torch.float32),
+        torch.empty_like(keys, dtype=torch.float32),
+        torch.empty_like(values, dtype=torch.float32),
         centroid_grad,
         topk_mass.new_empty(topk_mass.shape),
         torch.empty_like(centroid_grad),
@@ -441,6 +442,36 @@ def _refine_with_query_mass_backward_fake(
         torch.empty_like(t)
         for t in (queries, keys, values, centroids, centroid_values, topk_mass, topk_values)
     )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::centroid_attention_backward")
+def _centroid_attention_backward_fake(
+    grad_centroid_values,
+    grad_topk_mass,
+    grad_topk_values,
+    centroids,
+    keys,
+    values,
+    valid,
+    topk_indices,
+    scaling,
+):
+    return torch.empty_like(centroids), torch.empty_like(keys), torch.empty_like(values)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::group_queries_backward")
+def _group_queries_backward_fake(grad_centroids, queries, assignments):
+    return torch.empty_like(queries)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::broadcast_clusters_backward")
+def _broadcast_clusters_backward_fake(grad_out, centroid_values, assignments):
+    return torch.empty_like(centroid_values)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::banded_attention_backward")
+def _banded_attention_backward_fake(grad_out, queries, keys, values, valid, window, scaling):
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (queries, keys, values))
 
 
 @contextlib.contextmanager
@@ -519,6 +550,57 @@ def refine_with_query_mass_backward(
     )  # fmt: skip
 
 
+def centroid_attention_backward(
+    grad_centroid_values: torch.Tensor,
+    grad_topk_mass: torch.Tensor,
+    grad_topk_values: torch.Tensor,
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.centroid_attention_backward``: gradients of centroids, keys and values."""
+    _ensure_loaded()
+    return _ops.centroid_attention_backward.default(
+        grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys, values, valid,
+        topk_indices, float(scaling),
+    )  # fmt: skip
+
+
+def group_queries_backward(
+    grad_centroids: torch.Tensor, queries: torch.Tensor, assignments: torch.Tensor
+) -> torch.Tensor:
+    """See ``reference.group_queries_backward``: the queries' gradient, in their dtype."""
+    _ensure_loaded()
+    return _ops.group_queries_backward.default(grad_centroids, queries, assignments)
+
+
+def broadcast_clusters_backward(
+    grad_out: torch.Tensor, centroid_values: torch.Tensor, assignments: torch.Tensor
+) -> torch.Tensor:
+    """See ``reference.broadcast_clusters_backward``: the centroid values' gradient."""
+    _ensure_loaded()
+    return _ops.broadcast_clusters_backward.default(grad_out, centroid_values, assignments)
+
+
+def banded_attention_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.banded_attention_backward``: float32 gradients of queries, keys and values."""
+    _ensure_loaded()
+    return _ops.banded_attention_backward.default(
+        grad_out, queries, keys, values, valid, int(window), float(scaling)
+    )
+
+
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float().contiguous()
 
@@ -526,11 +608,11 @@ def _wide(tensor: torch.Tensor) -> torch.Tensor:
 def _topk_refine_gradient(
     grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
 ):
-    found = topk_refine_backward(
+    found = topk_refine_backward(  # q, k, v read in their dtype and layout (no widened copies)
         _wide(grads[0]),
-        _wide(queries),
-        _wide(keys),
-        _wide(values),
+        queries,
+        keys,
+        values,
         assignments.contiguous(),
         topk_indices.contiguous(),
         _wide(topk_mass),
@@ -572,17 +654,53 @@ def _refine_with_query_mass_gradient(
     return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None]
 
 
-def _register_gradient(op: str, gradient) -> None:
-    """Register ``gradient(grads, *inputs)`` (a gradient per input, None where none) as the backward."""
+def _centroid_attention_gradient(grads, centroids, keys, values, valid, topk, scaling, indices):
+    g_vc, _, g_mass, g_topv = grads
+    rows, heads, clusters, _ = centroids.shape
+    small = (rows, heads, clusters)
+    g_vc = centroids.new_zeros((*small, values.shape[-1]), dtype=torch.float32) if g_vc is None else g_vc
+    found = centroid_attention_backward(
+        _wide(g_vc),
+        centroids.new_zeros(small, dtype=torch.float32) if g_mass is None else _wide(g_mass),
+        torch.zeros_like(g_vc, dtype=torch.float32) if g_topv is None else _wide(g_topv),
+        _wide(centroids),
+        keys,
+        values,
+        valid.contiguous(),
+        indices.contiguous(),
+        float(scaling),
+    )
+    return [*found, None, None, None]
+
+
+def _means_gradient(grad_centroids, queries, assignments):
+    """The queries' gradient from the cluster means' (group_queries, lloyd_refine's final partition)."""
+    if grad_centroids is None:
+        return torch.zeros_like(queries)
+    return group_queries_backward(_wide(grad_centroids), queries, assignments.contiguous())
+
+
+def _broadcast_gradient(grads, centroid_values, assignments):
+    grad = grads[0].to(centroid_values.dtype)
+    return [broadcast_clusters_backward(grad, centroid_values, assignments.contiguous()), None]
+
+
+def _register_gradient(op: str, gradient, kept_outputs: tuple[int, ...] = ()) -> None:
+    """Register ``gradient(grads, *inputs, *kept)`` (a gradient per input, None where none) as the backward.
+
+    ``kept``: the forward's outputs named by ``kept_outputs`` (its discrete choices), saved with the inputs.
+    """
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
+        outputs = output if isinstance(output, tuple) else (output,)
+        kept = [outputs[i] for i in kept_outputs]
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *kept)
         ctx.constants = [None if isinstance(t, torch.Tensor) else t for t in inputs]
 
     def backward(ctx, *grads):
         tensors = iter(ctx.saved_tensors)
         inputs = [next(tensors) if constant is None else constant for constant in ctx.constants]
-        found = gradient(grads, *inputs)
+        found = gradient(grads, *inputs, *tensors)
         return tuple(
             None if grad is None or not ctx.needs_input_grad[i] else grad.to(inputs[i].dtype)
             for i, grad in enumerate(found)
@@ -592,32 +710,32 @@ def _register_gradient(op: str, gradient) -> None:
 
 
 def _register_backwards() -> None:
-    from bert_cluster import reference as ref
 
     # group_queries(queries, assignments, clusters) -> (centroids, counts)
-    _register_backward("group_queries", (0,), lambda q, a, c: (ref.group_queries(q, a, c)[0], None))
+    _register_gradient("group_queries", lambda g, q, a, c: [_means_gradient(g[0], q, a), None, None])
     # lloyd_refine(queries, assignments, clusters, iterations) -> (assignments, centroids, counts): the
     # centroids are the means of the final partition (output 0), as group_queries gives them.
-    _register_backward(
+    _register_gradient(
         "lloyd_refine",
-        (0,),
-        lambda q, a, c, rounds, final: (None, ref.group_queries(q, final, c)[0], None),
+        lambda g, q, a, c, rounds, final: [_means_gradient(g[1], q, final), None, None, None],
         kept_outputs=(0,),
     )
-
-    # centroid_attention(centroids, keys, values, valid, topk, scaling) -> (Vc, indices, mass, topv)
-    def centroid_attention(centroids, keys, values, valid, topk, scaling, indices):
-        vc, mass, topv = ref.centroid_attention_with_topk(centroids, keys, values, valid, indices, scaling)
-        return vc, None, mass, topv
-
-    _register_backward("centroid_attention", (0, 1, 2), centroid_attention, kept_outputs=(1,))
-    # The refinements: their backward ops (above).
+    # centroid_attention(centroids, keys, values, valid, topk, scaling) -> (Vc, indices, mass, topv), given
+    # the top-k choice (output 1).
+    _register_gradient("centroid_attention", _centroid_attention_gradient, kept_outputs=(1,))
+    # The refinements.
     _register_gradient("topk_refine", _topk_refine_gradient)
     _register_gradient("refine_with_query_mass", _refine_with_query_mass_gradient)
     # broadcast_clusters(Vc, assignments) -> out
-    _register_backward("broadcast_clusters", (0,), lambda *args: (ref.broadcast_clusters(*args),))
+    _register_gradient("broadcast_clusters", _broadcast_gradient)
     # banded_attention(queries, keys, values, valid, window, scaling) -> out
-    _register_backward("banded_attention", (0, 1, 2), lambda *args: (ref.banded_attention(*args),))
+    _register_gradient(
+        "banded_attention",
+        lambda g, q, k, v, valid, window, scaling: [
+            *banded_attention_backward(_wide(g[0]), q, k, v, valid.contiguous(), window, scaling),
+            None, None, None,
+        ],
+    )  # fmt: skip
 
 
 _register_backwards()

@@ -656,14 +656,22 @@ def refine_with_query_mass(
 # and the backward where no kernel is built.
 
 
-def _gradients(function, inputs: list, wanted: list[int], grad_out: torch.Tensor) -> list[torch.Tensor]:
-    """``d(function(*inputs) . grad_out) / d inputs[i]`` for i in ``wanted`` (zeros where none flows)."""
+def _gradients(function, inputs: list, wanted: list[int], grad_out) -> list[torch.Tensor]:
+    """``d(function(*inputs) . grad_out) / d inputs[i]`` for i in ``wanted`` (zeros where none flows).
+
+    ``grad_out``: one tensor, or a tuple aligned with ``function``'s tuple of outputs (an output that
+    does not depend on the inputs, such as the top-k mass without top-k, is skipped).
+    """
     with torch.enable_grad():
         leaves = list(inputs)
         for i in wanted:
             leaves[i] = inputs[i].detach().requires_grad_(True)
+        outputs = function(*leaves)
+        if not isinstance(outputs, tuple):
+            outputs, grad_out = (outputs,), (grad_out,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_out, strict=True) if o.requires_grad]
         found = torch.autograd.grad(
-            function(*leaves), [leaves[i] for i in wanted], grad_out, allow_unused=True
+            [o for o, _ in pairs], [leaves[i] for i in wanted], [g for _, g in pairs], allow_unused=True
         )
     return [torch.zeros_like(inputs[i]) if g is None else g for i, g in zip(wanted, found, strict=True)]
 
@@ -678,7 +686,7 @@ def topk_refine_backward(
     topk_mass: torch.Tensor,
     scaling: float,
 ) -> tuple[torch.Tensor, ...]:
-    """``topk_refine``'s input gradients: queries, keys, values, centroid values, top-k mass, top-k values.
+    """``topk_refine``'s input gradients, float32: queries, keys, values, centroid values, mass, top-k values.
 
     The gradient does not depend on the centroid and top-k values (they enter the output as a
     difference), so the op does not take them: zeros stand in.
@@ -686,7 +694,8 @@ def topk_refine_backward(
     rows, heads, clusters, _ = topk_indices.shape
     blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
     inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
-    return tuple(_gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
+    # float32 (float64 for float64) whatever the inputs' dtype, as the kernel gives them
+    return tuple(_wide(g) for g in _gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
 
 
 def refine_with_query_mass_backward(
@@ -718,3 +727,56 @@ def refine_with_query_mass_backward(
         scaling,
     ]
     return tuple(_gradients(refine_with_query_mass, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out))
+
+
+# The steps before the refinement (kernels/cpu/backward_steps.cpp is the kernel of each).
+
+
+def centroid_attention_backward(
+    grad_centroid_values: torch.Tensor,
+    grad_topk_mass: torch.Tensor,
+    grad_topk_values: torch.Tensor,
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """``centroid_attention``'s gradients of centroids, keys and values given its top-k choice."""
+    inputs = [centroids, keys, values, valid, topk_indices, scaling]
+    grads = (grad_centroid_values, grad_topk_mass, grad_topk_values)
+    return tuple(_gradients(centroid_attention_with_topk, inputs, [0, 1, 2], grads))
+
+
+def group_queries_backward(
+    grad_centroids: torch.Tensor, queries: torch.Tensor, assignments: torch.Tensor
+) -> torch.Tensor:
+    """``group_queries``' queries gradient from its centroids' (each member gets its 1 / count share)."""
+    clusters = grad_centroids.shape[2]
+    (found,) = _gradients(
+        lambda q, a: group_queries(q, a, clusters)[0], [queries, assignments], [0], grad_centroids
+    )
+    return found
+
+
+def broadcast_clusters_backward(
+    grad_out: torch.Tensor, centroid_values: torch.Tensor, assignments: torch.Tensor
+) -> torch.Tensor:
+    """``broadcast_clusters``' gradient of the centroid values: the sum of their members' output gradients."""
+    (found,) = _gradients(broadcast_clusters, [centroid_values, assignments], [0], grad_out)
+    return found
+
+
+def banded_attention_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """``banded_attention``'s gradients of queries, keys and values, float32 (float64 for float64)."""
+    inputs = [queries, keys, values, valid, window, scaling]
+    return tuple(_wide(g) for g in _gradients(banded_attention, inputs, [0, 1, 2], grad_out))

@@ -70,7 +70,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters) -> (Tensor, Tensor)",
         BOTH,
         "reference.group_queries",
-        backward=AUTOGRAD,
+        backward="group_queries_backward",
     ),
     Step(
         "centroid_attention",
@@ -78,7 +78,7 @@ STEPS: tuple[Step, ...] = (
         "-> (Tensor, Tensor, Tensor, Tensor)",
         BOTH,
         "reference.centroid_attention",
-        backward=AUTOGRAD,
+        backward="centroid_attention_backward",
     ),
     Step(
         "topk_refine",
@@ -93,14 +93,14 @@ STEPS: tuple[Step, ...] = (
         "(Tensor centroid_values, Tensor assignments) -> Tensor",
         BOTH,
         "reference.broadcast_clusters",
-        backward=AUTOGRAD,
+        backward="broadcast_clusters_backward",
     ),
     Step(
         "banded_attention",
         "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling) -> Tensor",
         BOTH,
         "reference.banded_attention",
-        backward=AUTOGRAD,
+        backward="banded_attention_backward",
     ),
     # Exact attention on short rows is torch's SDPA in attention.py: no op; every backend runs the reference.
     Step("exact_attention", None, (), "reference.exact_attention"),
@@ -110,7 +110,8 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)",
         CPU,
         "reference.lloyd_refine",
-        backward=AUTOGRAD,
+        # Its centroids are the means of its final partition: group_queries' backward with those assignments.
+        backward="group_queries_backward",
     ),
     Step(
         "refine_with_query_mass",
@@ -122,13 +123,14 @@ STEPS: tuple[Step, ...] = (
         backward="refine_with_query_mass_backward",
     ),
     # The refinements' backward (issue 38): the exact gradient given the forward's discrete choices, from
-    # the output gradient (kernels/cpu/backward.cpp; elsewhere the reference's, by autograd).
+    # the output gradient (kernels/cpu/backward.cpp, kernels/cuda/backward.cu; where no kernel is built the
+    # reference's, by autograd).
     Step(
         "topk_refine_backward",
         "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor assignments, "
         "Tensor topk_indices, Tensor topk_mass, float scaling) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.topk_refine_backward",
     ),
     Step(
@@ -138,6 +140,36 @@ STEPS: tuple[Step, ...] = (
         "Tensor topk_values, float scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         CPU,
         "reference.refine_with_query_mass_backward",
+    ),
+    # The backward of the steps before the refinement (kernels/cpu/backward_steps.cpp, cuda/backward.cu):
+    # centroid attention given its top-k choice, the means (group_queries, and lloyd_refine's centroids
+    # given its final partition), the broadcast of the centroids' rows.
+    Step(
+        "centroid_attention_backward",
+        "(Tensor grad_centroid_values, Tensor grad_topk_mass, Tensor grad_topk_values, Tensor centroids, "
+        "Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, float scaling) "
+        "-> (Tensor, Tensor, Tensor)",
+        BOTH,
+        "reference.centroid_attention_backward",
+    ),
+    Step(
+        "group_queries_backward",
+        "(Tensor grad_centroids, Tensor queries, Tensor assignments) -> Tensor",
+        BOTH,
+        "reference.group_queries_backward",
+    ),
+    Step(
+        "broadcast_clusters_backward",
+        "(Tensor grad_out, Tensor centroid_values, Tensor assignments) -> Tensor",
+        BOTH,
+        "reference.broadcast_clusters_backward",
+    ),
+    Step(
+        "banded_attention_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, "
+        "float scaling) -> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.banded_attention_backward",
     ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
     # composed steps' result bit for bit.

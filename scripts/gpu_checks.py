@@ -229,6 +229,49 @@ def run_to_run_determinism() -> dict:
     return {"mode": config.mode, "n": n}
 
 
+def backward_against_reference(n: int, dtype: torch.dtype) -> dict:
+    """The backward ops (issue 38) against autograd through the reference, and the same bits twice.
+
+    Tolerance relative to the largest gradient entry, as tests/ops/test_backward.py (GRAD_RTOL), doubled.
+    """
+    from bert_cluster import ops
+
+    rtol = 8e-6 if dtype == torch.float32 else 1.6e-2
+    q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, n, 64, dtype=dtype, seed=5))
+    planes, offsets = hash_planes(0, 0, 63, 64, DEVICE)
+    assign, _ = ref.hamming_kmeans(ref.hash_queries(q, planes, offsets), valid, 25, 10, 63)
+    centroids, _ = ref.group_queries(q, assign, 25)
+    vc, indices, mass, topv = ref.centroid_attention(centroids, k, v, valid, 32, 0.125)
+    generator = torch.Generator(device=DEVICE).manual_seed(6)
+    grad = torch.randn(*q.shape, generator=generator, device=DEVICE)
+    g_vc, g_mass, g_topv = (
+        torch.randn(t.shape, generator=generator, device=DEVICE) for t in (vc, mass, topv)
+    )
+    calls = {
+        "topk_refine_backward": (grad, q, k, v, assign, indices, mass, 0.125),
+        "centroid_attention_backward": (g_vc, g_mass, g_topv, centroids, k, v, valid, indices, 0.125),
+        "group_queries_backward": (
+            torch.randn(centroids.shape, generator=generator, device=DEVICE),
+            q,
+            assign,
+        ),
+        "broadcast_clusters_backward": (grad, vc, assign),
+    }
+    errors = {}
+    for name, args in calls.items():
+        got, again = getattr(ops, name)(*args), getattr(ops, name)(*args)
+        expected = getattr(ref, name)(*args)
+        got, again, expected = (x if isinstance(x, tuple) else (x,) for x in (got, again, expected))
+        worst = 0.0
+        for a, b, e in zip(got, again, expected, strict=True):
+            assert torch.equal(a, b), f"{name} differs between two runs"
+            scale = max(e.float().abs().max().item(), 1e-6)
+            worst = max(worst, (a.float() - e.float()).abs().max().item() / scale)
+        assert worst <= rtol, f"{name}: relative error {worst:.3g} > {rtol}"
+        errors[name] = worst
+    return {"relative_error": errors}
+
+
 def side_stream_no_sync() -> dict:
     """Every op on a side stream with torch raising on any host synchronisation inside the ops."""
     if DEVICE != "cuda":
@@ -253,11 +296,22 @@ def side_stream_no_sync() -> dict:
             second = ops.topk_refine(q, k, v, assign, *again, 0.125)
             band = ops.banded_attention(q, k, v, valid, 64, 0.125)
             band_again = ops.banded_attention(q, k, v, valid, 64, 0.125)
+            # The backward ops (issue 38), with the forward's outputs standing in for gradients.
+            vc, indices, mass, topv = attended
+            backward = [
+                ops.topk_refine_backward(first, q, k, v, assign, indices, mass, 0.125),
+                ops.centroid_attention_backward(vc, mass, topv, centroids, k, v, valid, indices, 0.125),
+                (ops.group_queries_backward(centroids, q, assign),),
+                (ops.broadcast_clusters_backward(first, vc, assign),),
+            ]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     stream.synchronize()
     assert torch.equal(first, second), "topk_refine differs between two runs"
     assert torch.equal(band, band_again), "banded_attention differs between two runs"
+    assert all(torch.isfinite(t).all() for group in backward for t in group), (
+        "a backward op gave non-finite values"
+    )
     return {"sync_debug_mode": "error (no synchronising call inside the ops)"}
 
 
@@ -383,6 +437,10 @@ def checks(output: Path) -> int:
     c.run("HF-layout non-contiguous inputs", hf_layout)
     c.run("run-to-run determinism (i-clustered, no growth)", run_to_run_determinism)
     c.run("side stream, no host sync", side_stream_no_sync)
+    for dtype in (torch.float32, torch.bfloat16):
+        c.run(
+            f"backward ops vs reference {dtype}", lambda dtype=dtype: backward_against_reference(700, dtype)
+        )
     c.run("out-of-range assignments fail a device assertion", device_assert_on_bad_assignments)
     failed = [r["check"] for r in c.results if r["status"] not in ("passed", STUB)]
     stubs = [r["check"] for r in c.results if r["status"] == STUB]

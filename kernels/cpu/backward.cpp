@@ -17,6 +17,7 @@
 #include "common.h"
 #include "ops.h"
 #include "parallel.h"
+#include "simd.h"
 
 namespace bert_cluster {
 namespace {
@@ -46,8 +47,7 @@ Shape check_backward_args(const at::Tensor& grad_out, const at::Tensor& queries,
                           const at::Tensor& topk_mass) {
   check_dim(grad_out, 4, "grad_out", "(R, H, N, Dv)");
   check_qkv(queries, keys, values);
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&queries, "queries"}, {&keys, "keys"},
-                         {&values, "values"}, {&topk_mass, "topk_mass"}})
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&topk_mass, "topk_mass"}})
     check_float_contiguous(*t, name);
   check_dtype(assignments, at::kLong, "assignments");
   check_dtype(topk_indices, at::kLong, "topk_indices");
@@ -96,41 +96,122 @@ float softmax_inplace(float* scores, int64_t m) {
   return top + std::log(total);
 }
 
-// The top-k part shared by both refinements, for one query: P = softmax(s q.K_l) over the slots, E = sum P V.
-// Given dE (the output gradient times the query's mass) and an extra gradient on log-sum-exp (dlse), it
-// adds the query's, keys' and values' gradients and returns nothing else: the callers own the rest.
-struct TopkQuery {
-  std::vector<float> p, gv;
-  explicit TopkQuery(int64_t k) : p(k), gv(k) {}
+// out[0..d) (+)= sum_u w[u] * rows[u * d + 0..d) for u < m, 16 columns at a time in a register (in u order).
+void weighted_rows(const float* w, const float* rows, int64_t m, int64_t d, float* out, bool add) {
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) {
+    f32x16 acc = {};
+    for (int64_t u = 0; u < m; ++u) acc += w[u] * load_vec<f32x16>(rows + u * d + c);
+    if (add) acc += load_vec<f32x16>(out + c);
+    store_vec(out + c, acc);
+  }
+  for (; c < d; ++c) {
+    float acc = 0.f;
+    for (int64_t u = 0; u < m; ++u) acc += w[u] * rows[u * d + c];
+    out[c] = add ? out[c] + acc : acc;
+  }
+}
+
+// The top-k part shared by both refinements, for one cluster's top-k keys T (prepared once: their rows widened
+// to float32, and transposed, so that a query's k scores and k value products are vector loops over the
+// slots) and then each member query: P = softmax(s q.K_l) over the slots, E = sum P V. Given dE (the output
+// gradient times the query's mass) and an extra gradient on log-sum-exp (dlse), backward adds the query's,
+// keys' and values' gradients and returns nothing else: the callers own the rest.
+struct TopkCluster {
+  int64_t m = 0, kp = 0, dk = 0, dv = 0;
+  const int64_t* slots = nullptr;
+  std::vector<float> kr, vr, kt, vt, p, gv, dkr, dvr;  // dkr, dvr: the slots' key and value gradients
+
+  template <typename T>
+  void prepare(const HeadRows& keys, const HeadRows& values, const int64_t* sl, int64_t used, int64_t dk_,
+               int64_t dv_) {
+    m = used;
+    kp = (m + 15) / 16 * 16;
+    dk = dk_;
+    dv = dv_;
+    slots = sl;
+    kr.resize(m * dk);
+    vr.resize(m * dv);
+    kt.assign(dk * kp, 0.f);
+    vt.assign(dv * kp, 0.f);
+    p.assign(kp, 0.f);
+    gv.assign(kp, 0.f);
+    dkr.assign(m * dk, 0.f);
+    dvr.assign(m * dv, 0.f);
+    for (int64_t u = 0; u < m; ++u) {
+      const T* key = keys.at<T>(sl[u]);
+      const T* value = values.at<T>(sl[u]);
+      for (int64_t d = 0; d < dk; ++d) kt[d * kp + u] = kr[u * dk + d] = static_cast<float>(key[d]);
+      for (int64_t d = 0; d < dv; ++d) vt[d * kp + u] = vr[u * dv + d] = static_cast<float>(value[d]);
+    }
+  }
+
+  // out[0..kp) = sum_d x[d] * t[d * kp + 0..kp), 32 slots at a time in registers (kp: a multiple of 16).
+  void slot_products(const float* x, const float* t, int64_t d_count, float* out) const {
+    for (int64_t base = 0; base < kp; base += 32) {
+      const bool pair = base + 16 < kp;
+      f32x16 a0 = {}, a1 = {};
+      for (int64_t d = 0; d < d_count; ++d) {
+        a0 += x[d] * load_vec<f32x16>(t + d * kp + base);
+        if (pair) a1 += x[d] * load_vec<f32x16>(t + d * kp + base + 16);
+      }
+      store_vec(out + base, a0);
+      if (pair) store_vec(out + base + 16, a1);
+    }
+  }
 
   // Fills p (softmax) and e (sum P V); returns log-sum-exp.
-  float forward(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t m, int64_t dk,
-                int64_t dv, float scaling, float* e) {
-    for (int64_t s = 0; s < m; ++s) p[s] = scaling * dot(q, keys + slots[s] * dk, dk);
+  float forward(const float* q, float scaling, float* e) {
+    if (kp > 0) slot_products(q, kt.data(), dk, p.data());
+    for (int64_t u = 0; u < m; ++u) p[u] *= scaling;
     const float lse = softmax_inplace(p.data(), m);
-    std::fill(e, e + dv, 0.f);
-    for (int64_t s = 0; s < m; ++s) axpy(p[s], values + slots[s] * dv, e, dv);
+    weighted_rows(p.data(), vr.data(), m, dv, e, false);
     return lse;
   }
 
-  // dE = scale_e * g (g: the output gradient); dlse: gradient on the log-sum-exp of the scores.
-  void backward(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t m, int64_t dk,
-                int64_t dv, float scaling, const float* g, float scale_e, float dlse, float* dq, float* dkeys,
-                float* dvalues) {
+  // dE = scale_e * g (g: the output gradient); dlse: gradient on the log-sum-exp of the scores. The keys'
+  // and values' gradients gather in the cluster's own rows (in cache), which flush adds to the head's.
+  void backward(const float* q, float scaling, const float* g, float scale_e, float dlse, float* dq) {
+    if (kp > 0) slot_products(g, vt.data(), dv, gv.data());
     float weighted = 0.f;
-    for (int64_t s = 0; s < m; ++s) {
-      gv[s] = scale_e * dot(g, values + slots[s] * dv, dv);  // dP_s
-      weighted += p[s] * gv[s];
+    for (int64_t u = 0; u < m; ++u) {
+      gv[u] *= scale_e;  // dP_u
+      weighted += p[u] * gv[u];
     }
-    for (int64_t s = 0; s < m; ++s) {
-      const float ds = p[s] * (gv[s] - weighted) + dlse * p[s];
-      const int64_t l = slots[s];
-      axpy(scaling * ds, keys + l * dk, dq, dk);
-      axpy(scaling * ds, q, dkeys + l * dk, dk);
-      axpy(scale_e * p[s], g, dvalues + l * dv, dv);
+    for (int64_t u = 0; u < m; ++u) {
+      const float ds = scaling * (p[u] * (gv[u] - weighted) + dlse * p[u]);
+      axpy(ds, q, dkr.data() + u * dk, dk);
+      axpy(scale_e * p[u], g, dvr.data() + u * dv, dv);
+      gv[u] = ds;
+    }
+    weighted_rows(gv.data(), kr.data(), m, dk, dq, true);
+  }
+
+  // Adds the cluster's key and value gradients to the head's (N, D) float32 ones, in slot order.
+  void flush(float* dkeys, float* dvalues) const {
+    for (int64_t u = 0; u < m; ++u) {
+      axpy(1.f, dkr.data() + u * dk, dkeys + slots[u] * dk, dk);
+      axpy(1.f, dvr.data() + u * dv, dvalues + slots[u] * dv, dv);
     }
   }
 };
+
+// The members of each cluster in query order (CSR: start[c]..start[c + 1] of order), padded queries out.
+void cluster_members(const int64_t* assign, int64_t n, int64_t clusters, std::vector<int64_t>& start,
+                     std::vector<int64_t>& order, std::vector<int64_t>& next) {
+  start.assign(clusters + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = assign[i];
+    if (c < 0) continue;  // padding: a zero output, no gradient
+    TORCH_CHECK_VALUE(c < clusters, "assignments must be -1 or in 0..", clusters - 1, ", got ", c);
+    ++start[c + 1];
+  }
+  for (int64_t c = 0; c < clusters; ++c) start[c + 1] += start[c];
+  order.resize(start[clusters]);
+  next.assign(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n; ++i)
+    if (assign[i] >= 0) order[next[assign[i]]++] = i;
+}
 
 }  // namespace
 
@@ -146,39 +227,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dcentroid = zeros_tensor({s.rows, s.heads, s.clusters, s.dv}, options);
   at::Tensor dmass = zeros_tensor({s.rows, s.heads, s.clusters}, options);
   const float* g = grad_out.data_ptr<float>();
-  const float* qp = queries.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
+  const Rows qr = Rows::of(q), kr = Rows::of(kk), vr = Rows::of(vv);
+  const InputType type = input_type(q);
   const int64_t* ap = assignments.data_ptr<int64_t>();
   const int64_t* tip = topk_indices.data_ptr<int64_t>();
   const float* mp = topk_mass.data_ptr<float>();
   const float scale = static_cast<float>(scaling);
   parallel_for(0, s.rows * s.heads, grain_for(s.n * std::max<int64_t>(s.k, 1) * (s.dk + s.dv)),
                [&](int64_t begin, int64_t end) {
-                 TopkQuery top(s.k);
-                 std::vector<int64_t> slots(s.clusters * std::max<int64_t>(s.k, 1));
-                 std::vector<int64_t> used(s.clusters);
-                 std::vector<float> e(s.dv);
+                 TopkCluster top;
+                 std::vector<int64_t> slots(std::max<int64_t>(s.k, 1)), start, order, next;
+                 std::vector<float> e(s.dv), qrow(s.dk);
                  for (int64_t head = begin; head < end; ++head) {
+                   const int64_t r = head / s.heads, h = head % s.heads;
+                   const HeadRows qh = qr.head(r, h), kh = kr.head(r, h), vh = vr.head(r, h);
                    const int64_t qo = head * s.n * s.dk, vo = head * s.n * s.dv;
-                   for (int64_t c = 0; c < s.clusters; ++c)
-                     used[c] = cluster_slots(tip + (head * s.clusters + c) * s.k, s.k, s.n, &slots[c * s.k]);
+                   cluster_members(ap + head * s.n, s.n, s.clusters, start, order, next);
                    float* dcv = dcentroid.data_ptr<float>() + head * s.clusters * s.dv;
                    float* dm = dmass.data_ptr<float>() + head * s.clusters;
-                   for (int64_t i = 0; i < s.n; ++i) {
-                     const int64_t c = ap[head * s.n + i];
-                     if (c < 0) continue;  // padding: a zero output, no gradient
-                     TORCH_CHECK_VALUE(c < s.clusters, "assignments must be -1 or in 0..", s.clusters - 1, ", got ", c);
-                     const float* gi = g + vo + i * s.dv;
-                     const float* qi = qp + qo + i * s.dk;
-                     const int64_t* sl = &slots[c * s.k];
+                   for (int64_t c = 0; c < s.clusters; ++c) {
+                     if (start[c] == start[c + 1]) continue;
+                     const int64_t used = cluster_slots(tip + (head * s.clusters + c) * s.k, s.k, s.n, slots.data());
+                     switch (type) {
+                       case InputType::kFloat32:
+                         top.prepare<float>(kh, vh, slots.data(), used, s.dk, s.dv);
+                         break;
+                       case InputType::kBFloat16:
+                         top.prepare<c10::BFloat16>(kh, vh, slots.data(), used, s.dk, s.dv);
+                         break;
+                       case InputType::kFloat16:
+                         top.prepare<c10::Half>(kh, vh, slots.data(), used, s.dk, s.dv);
+                         break;
+                     }
                      const float mass = mp[head * s.clusters + c];
-                     top.forward(qi, kp + qo, vp + vo, sl, used[c], s.dk, s.dv, scale, e.data());
-                     axpy(1.f, gi, dcv + c * s.dv, s.dv);
-                     dm[c] += dot(gi, e.data(), s.dv);
-                     top.backward(qi, kp + qo, vp + vo, sl, used[c], s.dk, s.dv, scale, gi, mass, 0.f,
-                                  dq.data_ptr<float>() + qo + i * s.dk, dkeys.data_ptr<float>() + qo,
-                                  dvalues.data_ptr<float>() + vo);
+                     for (int64_t o = start[c]; o < start[c + 1]; ++o) {
+                       const int64_t i = order[o];
+                       const float* gi = g + vo + i * s.dv;
+                       switch (type) {
+                         case InputType::kFloat32:
+                           std::copy_n(qh.at<float>(i), s.dk, qrow.data());
+                           break;
+                         case InputType::kBFloat16:
+                           std::copy_n(qh.at<c10::BFloat16>(i), s.dk, qrow.data());
+                           break;
+                         case InputType::kFloat16:
+                           std::copy_n(qh.at<c10::Half>(i), s.dk, qrow.data());
+                           break;
+                       }
+                       top.forward(qrow.data(), scale, e.data());
+                       axpy(1.f, gi, dcv + c * s.dv, s.dv);
+                       dm[c] += dot(gi, e.data(), s.dv);
+                       top.backward(qrow.data(), scale, gi, mass, 0.f, dq.data_ptr<float>() + qo + i * s.dk);
+                     }
+                     top.flush(dkeys.data_ptr<float>() + qo, dvalues.data_ptr<float>() + vo);
                    }
                  }
                });
@@ -198,6 +300,8 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& topk_indices, const at::Tensor& topk_mass,
                                     const at::Tensor& topk_values, double scaling) {
   const Shape s = check_backward_args(grad_out, queries, keys, values, assignments, topk_indices, topk_mass);
+  for (auto [t, name] : {std::pair{&queries, "queries"}, {&keys, "keys"}, {&values, "values"}})
+    check_float_contiguous(*t, name);
   check_float_contiguous(centroids, "centroids");
   check_float_contiguous(centroid_values, "centroid_values");
   check_float_contiguous(topk_values, "topk_values");
@@ -229,8 +333,8 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
   const int64_t C = s.clusters, dk = s.dk, dv = s.dv, n = s.n, k = s.k;
   parallel_for(0, s.rows * s.heads, grain_for(n * std::max<int64_t>(k, 1) * (dk + dv) + n * C * dk),
                [&](int64_t begin, int64_t end) {
-                 TopkQuery top(k);
-                 std::vector<int64_t> slots(C * std::max<int64_t>(k, 1)), used(C);
+                 TopkCluster top;
+                 std::vector<int64_t> slots(C * std::max<int64_t>(k, 1)), used(C), start, order, next;
                  // Per cluster: mean and variance of the other keys, their pre-clamp variance, the rest mean
                  // of the values, A_j, and the gradients gathered from the queries.
                  std::vector<float> mu(C * dk), var(C * dk), raw_var(C * dk), rm(C * dv), a(C), rest(C);
@@ -304,16 +408,19 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                    std::fill(d_mu.begin(), d_mu.end(), 0.f);
                    std::fill(d_var.begin(), d_var.end(), 0.f);
                    std::fill(d_rm.begin(), d_rm.end(), 0.f);
-                   // Each query, in index order.
-                   for (int64_t i = 0; i < n; ++i) {
+                   // Each cluster's members, in query order.
+                   cluster_members(ap + head * n, n, C, start, order, next);
+                   for (int64_t at = 0; at < start[C]; ++at) {
+                     const int64_t i = order[at];
                      const int64_t c = ap[head * n + i];
-                     if (c < 0) continue;
-                     TORCH_CHECK_VALUE(c < C, "assignments must be -1 or in 0..", C - 1, ", got ", c);
+                     if (at == start[c])
+                       top.prepare<float>(HeadRows{reinterpret_cast<const char*>(K), dk * 4},
+                                          HeadRows{reinterpret_cast<const char*>(V), dv * 4}, &slots[c * k], used[c],
+                                          dk, dv);
                      const float* gi = g + vo + i * dv;
                      const float* qi = qp + qo + i * dk;
                      float* dqi = dq.data_ptr<float>() + qo + i * dk;
-                     const int64_t* sl = &slots[c * k];
-                     const float lzq = top.forward(qi, K, V, sl, used[c], dk, dv, sc, e.data());
+                     const float lzq = top.forward(qi, sc, e.data());
                      float qrest = 0.f;
                      for (int64_t d = 0; d < dk; ++d) qrest += qi[d] * (mu[c * dk + d] + 0.5f * sc * var[c * dk + d] * qi[d]);
                      qrest *= sc;
@@ -326,7 +433,7 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                      const float d_o = std::isfinite(o) ? -d_own * own * (1.f - own) : 0.f;
                      d_a[c] += d_o;
                      // -lzq: its gradient goes to the scores through the softmax (dlse = -d_o).
-                     top.backward(qi, K, V, sl, used[c], dk, dv, sc, gi, own, -d_o, dqi, dK, dV);
+                     top.backward(qi, sc, gi, own, -d_o, dqi);
                      if (d_o != 0.f) {
                        for (int64_t d = 0; d < dk; ++d) {
                          dqi[d] += d_o * sc * (mu[c * dk + d] + sc * var[c * dk + d] * qi[d]);
@@ -334,6 +441,7 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                          d_var[c * dk + d] += d_o * 0.5f * sc * sc * qi[d] * qi[d];
                        }
                      }
+                     if (at + 1 == start[c + 1]) top.flush(dK, dV);  // the cluster's last member
                    }
                    // Each cluster, in index order: back through A_j, RM_j and the key statistics.
                    float* dcj_all = dcent.data_ptr<float>() + head * C * dk;

@@ -59,4 +59,19 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& topk_indices, const at::Tensor& topk_mass,
                                     const at::Tensor& topk_values, double scaling);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
+    const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+    const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+    const at::Tensor& topk_indices, double scaling);
+
+at::Tensor group_queries_backward_cpu(const at::Tensor& grad_centroids, const at::Tensor& queries,
+                                      const at::Tensor& assignments);
+
+at::Tensor broadcast_clusters_backward_cpu(const at::Tensor& grad_out, const at::Tensor& centroid_values,
+                                           const at::Tensor& assignments);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, int64_t window, double scaling);
+
 }  // namespace bert_cluster

@@ -19,6 +19,10 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("broadcast_clusters", &broadcast_clusters_cpu);
   m.impl("topk_refine_backward", &topk_refine_backward_cpu);
   m.impl("refine_with_query_mass_backward", &refine_with_query_mass_backward_cpu);
+  m.impl("centroid_attention_backward", &centroid_attention_backward_cpu);
+  m.impl("group_queries_backward", &group_queries_backward_cpu);
+  m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cpu);
+  m.impl("banded_attention_backward", &banded_attention_backward_cpu);
 }
 
 }  // namespace bert_cluster

@@ -27,7 +27,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Max abs difference of an input gradient, kernel backward vs autograd through the reference, relative to
 #: the largest gradient entry of that input (both sum fp32 products, in other orders). Measured max over the
 #: grid (AMD EPYC Zen 4, 2026-12-04): fp32 3.6e-7 relative; bf16 the same before the final rounding to
-#: bf16 (one ulp: 2^-8 relative) -> fp32 4e-6, bf16 one bf16 ulp (8e-3).
+#: bf16 (one ulp: 2^-8 relative) -> fp32 4e-6, bf16 one bf16 ulp (8e-3). The step backward ops
+#: (centroid_attention, group_queries, broadcast_clusters; STEP_CASES, 2026-12-04): fp32 6.1e-7 (the
+#: centroids' gradient of centroid_attention), fp16 1.9e-6, bf16 1.1e-4; group_queries and
+#: broadcast_clusters exact (the same sums in the same order).
 GRAD_RTOL = {"fp32": 4e-6, "bf16": 8e-3}
 
 
@@ -41,9 +44,12 @@ class Case:
     dtype: str
     padded: bool
     ties: bool = False
+    #: Row 0 all padding (every key gradient 0 there; the other rows as ``padded`` says).
+    empty_row: bool = False
 
     def __str__(self) -> str:
         tail = ("-pad" if self.padded else "") + ("-ties" if self.ties else "")
+        tail += "-empty-row" if self.empty_row else ""
         return f"N{self.n}-C{self.clusters}-k{self.topk}-D{self.dk}x{self.dv}-{self.dtype}{tail}"
 
 
@@ -56,6 +62,7 @@ GRID = [
     Case(200, 10, 16, 32, 32, "bf16", False),
     Case(200, 25, 32, 64, 16, "fp32", True, ties=True),  # many exactly equal scores
     Case(513, 25, 32, 64, 64, "fp32", True),
+    Case(300, 6, 91, 32, 32, "fp32", True),  # k > 32: the refinements' slots in three passes of 32
 ]
 
 
@@ -73,7 +80,9 @@ def _inputs(case: Case, seed: int = 0):
     if case.padded and case.n > 2:
         valid[1, case.n - case.n // 3 :] = False
         valid[1, 0] = False
-    dtype = DTYPES[case.dtype]
+    if case.empty_row:
+        valid[0] = False
+    dtype = {**DTYPES, "fp16": torch.float16}[case.dtype]
     return q.to(dtype), k.to(dtype), v.to(dtype), valid
 
 
@@ -260,6 +269,85 @@ def test_backward_matches_reference_autograd(case: Case, backend: str, device: s
         _assert_grads_close(got, expected, case.dtype, f"{label} centroids")
 
 
+#: The backward ops of the steps before the refinement, and the inputs each takes after the gradients.
+STEP_BACKWARDS = (
+    "centroid_attention_backward",
+    "group_queries_backward",
+    "broadcast_clusters_backward",
+    "banded_attention_backward",
+)
+
+
+def _step_backward_args(case: Case, seed: int = 0) -> dict:
+    """Each step backward op's arguments (output gradients first), from the reference's own choices."""
+    q, k, v, valid = _inputs(case, seed)
+    scaling, assignments, _, _ = _pipeline(case, q, k, v, valid)
+    centroids, _ = ref.group_queries(q, assignments, case.clusters)
+    vc, indices, mass, topv = ref.centroid_attention(centroids, k, v, valid, case.topk, scaling)
+    generator = torch.Generator().manual_seed(seed + 7)
+
+    def grad_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=generator)
+
+    return {
+        "centroid_attention_backward": (
+            grad_like(vc), grad_like(mass), grad_like(topv), centroids, k, v, valid, indices, scaling,
+        ),
+        "group_queries_backward": (grad_like(centroids), q, assignments),
+        "broadcast_clusters_backward": (grad_like(v.float()), vc, assignments),
+        # a band of clusters + 1 keys each side (window >= N at N = 1 and 7)
+        "banded_attention_backward": (grad_like(v.float()), q, k, v, valid, case.clusters + 1, scaling),
+    }  # fmt: skip
+
+
+STEP_CASES = [
+    *GRID,
+    Case(64, 5, 0, 16, 8, "fp32", True, empty_row=True),  # k = 0: plain clustered attention
+    Case(64, 5, 8, 16, 16, "fp16", True, empty_row=True),
+    Case(64, 40, 8, 16, 16, "fp32", False),  # C > 32: two groups of cluster lanes
+]
+
+
+@pytest.mark.parametrize("backend,device", kernel_backends())
+@pytest.mark.parametrize("op", STEP_BACKWARDS)
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+def test_step_backward_ops_match_the_reference(case: Case, op: str, backend: str, device: str) -> None:
+    """The backward op itself (the kernel where one is built) against the reference's autograd."""
+    require_kernels(backend)
+    from bert_cluster import ops
+
+    args = _step_backward_args(case)[op]
+    expected = getattr(ref, op)(*args)
+    on = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    got = getattr(ops, op)(*on)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = got if isinstance(got, tuple) else (got,)
+    dtype = "fp32" if case.dtype == "fp32" else "bf16"  # fp16: finer than bf16, within its tolerance
+    _assert_grads_close(
+        {str(i): g for i, g in enumerate(got)}, {str(i): e for i, e in enumerate(expected)}, dtype, op
+    )
+
+
+@pytest.mark.parametrize("op", STEP_BACKWARDS)
+def test_step_backward_ops_give_the_same_bits_at_any_thread_count(op: str) -> None:
+    from bert_cluster import ops
+
+    require_kernels("cpu")
+    args = _step_backward_args(Case(700, 25, 32, 64, 64, "bf16", True), seed=2)[op]
+    before = torch.get_num_threads()
+    try:
+        found = []
+        for threads in (1, 2, 3, 3):
+            torch.set_num_threads(threads)
+            out = getattr(ops, op)(*args)
+            found.append(out if isinstance(out, tuple) else (out,))
+    finally:
+        torch.set_num_threads(before)
+    for other in found[1:]:
+        for a, b in zip(found[0], other, strict=True):
+            assert torch.equal(a, b), f"{op}: the gradient bits depend on the thread count or the run"
+
+
 @pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
@@ -290,7 +378,7 @@ def test_clustered_attention_gradients_match_the_reference_backend(
 
 
 @pytest.mark.parametrize("backend,device", kernel_backends())
-@pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered"])
+@pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
 def test_two_backward_passes_give_the_same_bits(backend: str, device: str, mode: str) -> None:
     require_kernels(backend)
     q, k, v, valid = (t.to(device) for t in _inputs(Case(700, 25, 32, 64, 64, "fp32", True), seed=5))
@@ -384,7 +472,15 @@ def _op_cases():
         ),
         "broadcast_clusters": (grad(vc), plus),
         "banded_attention": (grad(q), grad(k), grad(v), valid, 3, scaling),
-    }
+        # The backward ops (no gradient of their own): schema and fake kernel.
+        "centroid_attention_backward": (
+            torch.randn(vc.shape), torch.randn(mass.shape), torch.randn(topv.shape), centroids, k, v, valid,
+            indices, scaling,
+        ),
+        "group_queries_backward": (torch.randn(centroids.shape), q, plus),
+        "broadcast_clusters_backward": (torch.randn(rows, heads, n, dim), vc, plus),
+        "banded_attention_backward": (torch.randn(rows, heads, n, dim), q, k, v, valid, 3, scaling),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("op", list(_op_cases()))
@@ -397,4 +493,6 @@ def test_opcheck_with_gradients(op: str) -> None:
     tests = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     if op == "lloyd_refine":
         tests.remove("test_aot_dispatch_dynamic")
+    if op.endswith("_backward"):
+        tests = ["test_schema", "test_faketensor"]
     torch.library.opcheck(getattr(torch.ops.bert_cluster, op).default, args, test_utils=tests)
