@@ -15,6 +15,9 @@ import torch
 # nowhere else). Set before datasets is imported, which reads it once.
 _CACHE = tempfile.mkdtemp(prefix="bert-cluster-tests-")
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "datasets")
+# torch.compile's inductor caches compiled graphs (under /tmp by default, shared by every checkout on the
+# machine) keyed without a custom op's fake: a graph compiled against an older fake would be reused.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE, "inductor")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import re
@@ -252,6 +253,23 @@ def test_the_first_shard_is_written_before_the_input_is_read_to_its_end(
     # Shards of 4 documents: shard n is on disk before document 4n + 1 is read, and no document is read
     # before it is needed.
     assert on_disk == [position // 4 for position in range(14)]
+
+
+def test_an_input_that_shrinks_between_the_passes_is_refused(minilm_dir, corpus, tmp_path, monkeypatch):
+    from bert_cluster.embedding import documents
+
+    read = documents.Input.documents
+    monkeypatch.setattr(
+        documents.Input, "documents", lambda self: (d for d in itertools.islice(read(self), 9))
+    )
+    with pytest.raises(
+        UserError, match="the input changed while it was read: 9 documents where its first pass"
+    ):
+        bert_cluster.embed(minilm_dir, corpus, tmp_path / "out", exact=True, **SMALL)
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == [
+        "shard-00000.parquet",
+        "shard-00001.parquet",
+    ]
 
 
 def test_dense_modules_and_a_plain_encoder_folder(tmp_path):
