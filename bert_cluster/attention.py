@@ -400,7 +400,7 @@ def windowed_attention(
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
     if dropout:
         out = reference.banded_attention(
-            query, key, value, valid, int(window), scaling, dropout, dropout_seed()
+            query, key, value, valid, int(window), scaling, dropout=dropout, seed=dropout_seed()
         )
         return out.to(query.dtype)
     backend = dispatch.select_backend(config.backend, query, key, value)
@@ -661,18 +661,18 @@ def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_an
     *settings, dropout, seed = settings_and_dropout
     clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    rest = reference.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, seed)
+    drop = {"dropout": dropout, "seed": seed}
+    rest = reference.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, **drop)
     if mode == "clustered":
         return backend.broadcast_clusters(rest, p.assignments)
     nothing = torch.zeros_like(rest)  # the top-k part already left out of ``rest``
     if mode == "i-clustered+":
         return reference.refine_with_query_mass(
             queries, keys, values, valid, p.assignments, p.centroids, rest, p.topk_indices,
-            p.topk_mass, nothing, scaling, dropout, seed,
+            p.topk_mass, nothing, scaling, **drop,
         )  # fmt: skip
     return reference.topk_refine(
-        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
-        dropout, seed,
+        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling, **drop
     )  # fmt: skip
 
 

@@ -309,6 +309,7 @@ def centroid_rest(
     valid: torch.Tensor,
     topk_indices: torch.Tensor,
     scaling: float,
+    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -373,6 +374,7 @@ def topk_refine(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
+    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -427,6 +429,7 @@ def banded_attention(
     valid: torch.Tensor,
     window: int,
     scaling: float,
+    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -566,6 +569,7 @@ def refine_with_query_mass(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
+    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:

@@ -118,7 +118,7 @@ def test_windowed_attention_drops_band_weights_and_passes_gradcheck():
     q, k, v = (t.double() for t in (q, k, v))
 
     def attend(q_, k_, v_):
-        return reference.banded_attention(q_, k_, v_, valid, 3, 0.5, 0.4, 2)
+        return reference.banded_attention(q_, k_, v_, valid, 3, 0.5, dropout=0.4, seed=2)
 
     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
     assert torch.autograd.gradcheck(attend, leaves)

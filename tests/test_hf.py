@@ -229,7 +229,7 @@ def test_the_compiled_op_returns_the_layout_its_fake_promises(rows):
         settings = attention._config_args(
             bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=100)
         )
-    args = (query, key, value, valid, *settings, 8**-0.5, 0)
+    args = (query, key, value, valid, *settings, 8**-0.5, 0, 0.0, 0)  # layer 0, no dropout
     out = attention._clustered_attention_op(*args)
     with FakeTensorMode() as mode:
         fake = attention._clustered_attention_op(
