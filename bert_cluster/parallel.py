@@ -48,6 +48,21 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
+def check_device(device: str) -> str:
+    """``cpu`` or ``cuda[:N]`` with a GPU present (every command's ``--device``)."""
+    import torch
+
+    from bert_cluster.errors import UserError
+
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device!r} asked for, but torch sees no CUDA GPU here; use --device cpu")
+        return device
+    raise UserError(f"device must be cpu or cuda (or cuda:N), got {device!r}")
+
+
 def is_main_process() -> bool:
     """False in every launched process but the first (the one that prints and writes)."""
     return int(os.environ.get("RANK", "0")) == 0

@@ -169,3 +169,16 @@ def require_kernels(backend: str) -> None:
     ok, why = dispatch.BACKENDS[backend].is_available()
     if not ok:
         pytest.skip(f"{backend} kernels unavailable: {why}")
+
+
+def load_script(name: str):
+    """A module of scripts/ (the benchmarks and experiments), imported by name for its tests."""
+    import importlib
+    import sys
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(scripts)

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_script
 
-REPO = Path(__file__).resolve().parents[1]
 THREE_EACH = {("sdpa", 64): 3, ("kernel-i-clustered", 64): 3}
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_attention
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_attention
+    return load_script("bench_attention")
 
 
 @pytest.fixture()

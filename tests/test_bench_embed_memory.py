@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_embed_memory
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_embed_memory
+    return load_script("bench_embed_memory")
 
 
 def test_the_corpus_is_the_same_for_the_same_seed(tmp_path):

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_linears
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_linears
+    return load_script("bench_linears")
 
 
 def tiny_bert() -> transformers.BertModel:

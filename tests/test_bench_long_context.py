@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_long_context
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_long_context
+    return load_script("bench_long_context")
 
 
 @pytest.fixture()

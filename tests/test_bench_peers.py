@@ -5,20 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_peers
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_peers
+    return load_script("bench_peers")
 
 
 bench = load_bench()

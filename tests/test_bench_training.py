@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load_bench():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench_training
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench_training
+    return load_script("bench_training")
 
 
 @pytest.fixture()

@@ -4,26 +4,17 @@ small random sentence-transformer with seconds-long budgets."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from helpers import save_sentence_transformer
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script, save_sentence_transformer
 
 
-def load_script():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import long_document_training
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return long_document_training
+def _script():
+    return load_script("long_document_training")
 
 
 def test_the_split_trains_on_articles_1_to_24_and_scores_25_to_48():
-    script = load_script()
+    script = _script()
     articles = script.load_articles()
     pairs, held_out = script.split(articles, eval_every=1, length=4096)
     cut = [document[: 12 * 4096] for document in articles.documents]
@@ -53,7 +44,7 @@ def _result(exact: list[tuple[float, float]], clustered: list[tuple[float, float
     ],
 )
 def test_the_verdicts_read_the_scores(exact, clustered, every_budget, half_time):
-    verdicts = load_script().verdicts(_result(exact, clustered))
+    verdicts = _script().verdicts(_result(exact, clustered))
     assert verdicts["at_least_exact_at_every_budget"] is every_budget
     assert verdicts["exact_final_within_half_time"] is half_time
 
@@ -64,7 +55,7 @@ def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
 
     from bert_cluster.checkpoints import default_model_path
 
-    script = load_script()
+    script = _script()
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     articles = script.load_articles()
     pairs, _ = script.split(articles, eval_every=1, length=4096)
@@ -76,7 +67,7 @@ def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
 
 @pytest.mark.slow
 def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
-    script = load_script()
+    script = _script()
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     output = tmp_path / "out" / "training.json"
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "2", "--eval-every", "60"]

@@ -33,7 +33,7 @@ from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
 from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
 from bert_cluster.evaluation.tuner import Candidate, TuneInterrupted, TuneResult, tune
-from bert_cluster.parallel import Workers
+from bert_cluster.parallel import Workers, check_device
 from bert_cluster.reports import check_output
 
 __all__ = [
@@ -234,7 +234,7 @@ def evaluate(
     base = attention_config(attention, defaults.get("attention", {}), presets.EVALUATION_SETTINGS)
     clusters, mode, seeds = _swept(attention, base, clusters, mode, seeds)
     modes = (mode,) if isinstance(mode, str) else tuple(mode or ())
-    device = runner.check_device(device)
+    device = check_device(device)
     plan = runner.RunPlan(
         model=resolve_model(model),
         tasks=task_configs,

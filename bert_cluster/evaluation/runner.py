@@ -341,16 +341,3 @@ def parse_seeds(value: int | Sequence[int]) -> tuple[int, ...]:
             raise UserError(f"seeds must be a positive count or a list of non-negative ints, got {value!r}")
         return tuple(dict.fromkeys(seeds))
     return tuple(range(positive_int("seeds", value)))
-
-
-def check_device(device: str) -> str:
-    """``cpu`` or ``cuda[:N]`` with a GPU present."""
-    import torch
-
-    if device == "cpu":
-        return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise UserError(f"device {device!r} asked for, but torch sees no CUDA GPU here; use --device cpu")
-        return device
-    raise UserError(f"device must be cpu or cuda (or cuda:N), got {device!r}")

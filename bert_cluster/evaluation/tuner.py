@@ -40,7 +40,7 @@ from bert_cluster.evaluation import runner
 from bert_cluster.evaluation.data import data_dirs
 from bert_cluster.evaluation.report import RunResult
 from bert_cluster.evaluation.tasks import get_tasks
-from bert_cluster.parallel import Workers
+from bert_cluster.parallel import Workers, check_device
 from bert_cluster.reports import ReportFiles, atomic_write, markdown_table, metadata_markdown, write_report
 
 #: The default grid: cluster counts C and exact keys k tried (the product's C = 25, k = 32 included).
@@ -529,7 +529,7 @@ def tune(
             base.replace(mode=mode, clusters=grid_clusters[0], topk=grid_topk[0])
     except (TypeError, ValueError) as error:
         raise UserError(str(error)) from None
-    device = runner.check_device(device)
+    device = check_device(device)
     runner.attention_backend(base, device)
     model_path = check_model_path(resolve_model(str(model)).replace("{task}", task_config.name))
     if output is not None:

@@ -27,6 +27,7 @@ from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.tasks import TaskConfig, get_tasks, label_mapping
 from bert_cluster.finetuning import features, report
+from bert_cluster.parallel import check_device
 
 __all__ = ["FinetuneInterrupted", "FinetuneResult", "finetune"]
 
@@ -120,18 +121,6 @@ def _number(name: str, value: Any, kind: type, allow_none: bool = True) -> Any:
     if not value > 0:
         raise UserError(f"{name} must be positive, got {value!r}")
     return kind(value)
-
-
-def _check_device(device: str) -> str:
-    import torch
-
-    if device == "cpu":
-        return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise UserError(f"device {device!r} asked for, but torch sees no CUDA GPU here; use --device cpu")
-        return device
-    raise UserError(f"device must be cpu or cuda (or cuda:N), got {device!r}")
 
 
 def _train_task(name: str) -> TaskConfig:
@@ -340,7 +329,7 @@ def finetune(
         if isinstance(given, Mapping) and "seed" not in given:
             given = {**given, "seed": seed}
         config = attention_config(given, {}, presets.EVALUATION_SETTINGS)
-    device = _check_device(device)
+    device = check_device(device)
     source = check_model_path(resolve_model(model))
     output = Path(output).expanduser()
     settings = {
