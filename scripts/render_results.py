@@ -850,10 +850,66 @@ def tune_table(results: list[dict]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------
 # The registry
 
+
+def embed_memory_table(data: list[dict]) -> list[str]:
+    """embed's peak resident memory and throughput against the corpus size (scripts/bench_embed_memory.py)."""
+    rows = []
+    for result in data:
+        for run in result["runs"]:
+            name = "streaming" if run["implementation"] == "current" else "whole corpus (0.2.0)"
+            rows.append(
+                [
+                    f"{run['documents']:,}",
+                    name,
+                    f"{run['peak_rss_mib']:,.0f}",
+                    f"{run['documents_per_second']:,.0f}",
+                ]
+            )
+    lines = table(["documents", "implementation", "peak resident MiB", "documents/s (wall)"], "rlrr", rows)
+    first, summary = data[0], data[0]["summary"]
+    settings, environment = first["settings"], first["environment"]
+    lines += [
+        "",
+        f"{settings['model']}; shards of {settings['shard_size']:,}, {settings['threads']} threads; "
+        f"the largest corpus's peak is {summary['largest_over_smallest_peak']:.3f}x the smallest's "
+        f"(targets: below {summary['targets']['peak_mib_below']:,} MiB and "
+        f"{summary['targets']['ratio_below']}x); the process holds "
+        f"{first['runs'][0]['rss_before_embed_mib']:,.0f} MiB before the run; AMD EPYC (Zen 4), "
+        f"{environment['date'][:10]}. The machine was shared (load average 4-16): the rates are its load's; "
+        "the 50,000-document pair ran back to back.",
+    ]
+    return lines
+
+
+def boundary_table(data: list[dict]) -> list[str]:
+    """The attention function transformers calls against the op (scripts/bench_boundary.py)."""
+    runs_ = data[0]["runs"]
+    rows = [
+        [
+            str(run["threads"]),
+            str(run["pair"]),
+            run["kernels"],
+            ms(run["median_ms"]["op"]),
+            ms(run["median_ms"]["function"]),
+            f"{run['function_over_op']:.3f}",
+        ]
+        for run in sorted(runs_, key=lambda r: (r["threads"], r["pair"]))
+    ]
+    lines = table(["threads", "pair", "code", "op ms", "function ms", "function / op"], "rrlrrr", rows)
+    first = runs_[0]
+    lines += [
+        "",
+        f"1 x 12 x {first['length']:,} x 64, {first['mode']}, C = 25, k = 32, median of {first['rounds']} "
+        f"interleaved rounds, torch {first['torch']}. {data[0]['note']}",
+    ]
+    return lines
+
+
 README = "README.md"
 BENCHMARKS = "docs/benchmarks.md"
 FIDELITY = "docs/fidelity.md"
 USAGE = "docs/usage.md"
+EMBED = "docs/embed.md"
 
 BENCH = "python scripts/bench_attention.py --threads 2"
 THREE = "--methods sdpa kernel-i-clustered kernel-i-clustered+"
@@ -1213,6 +1269,23 @@ TABLES: tuple[Table, ...] = (
         "python scripts/bench_training.py --parts step --train-repeats 2 --minilm-16k OUT/minilm-l6-16k "
         "--output FILE",
         training_step_table,
+    ),
+    Table(
+        "embed-memory-zen4",
+        ("bench_embed_memory/zen4.json", "bench_embed_memory/zen4_throughput_50k.json"),
+        (EMBED,),
+        "python scripts/bench_embed_memory.py --documents 100000 1000000 --baseline OLD-CHECKOUT "
+        "--baseline-documents 100000 --output FILE; --documents 50000 --baseline-documents 50000 "
+        "(throughput)",
+        embed_memory_table,
+    ),
+    Table(
+        "boundary-zen4",
+        ("bench_boundary_zen4/boundary.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_boundary.py --threads 1|2 --rounds 30 (before: the code at cad4b64 with its "
+        "libraries; after: the no-copy layout), pairs run one after the other",
+        boundary_table,
     ),
 )
 
