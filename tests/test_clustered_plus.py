@@ -440,8 +440,8 @@ def test_the_new_steps_are_cpu_kernels_and_reference_steps_on_cuda():
         "lloyd_refine",
         "refine_with_query_mass",
         "clustered_heads",
-        "topk_refine_backward",
         "refine_with_query_mass_backward",
+        "banded_attention_backward",
     }
     assert not set(ops.CPU_ONLY_OPS) & set(ops.OPS)
     assert dispatch.CudaKernelBackend.lloyd_refine is ref.lloyd_refine
