@@ -564,7 +564,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         methods = [m for m in METHODS if any(m in cells for cells in lengths.values())]
         lines.append(f"**{model}** — documents/s (min cosine to exact fp32)")
         lines.append("")
-        lines.append("| tokens | " + " | ".join(methods) + " |")
+        precision = report.get("openvino_precision", DEFAULT_OPENVINO_PRECISION)
+        names = [f"openvino ({precision})" if m == "openvino" else m for m in methods]
+        lines.append("| tokens | " + " | ".join(names) + " |")
         lines.append("|---:|" + "---:|" * len(methods))
         for length, cells in lengths.items():
             shown = []

@@ -523,7 +523,30 @@ def peers_table(results: list[dict]) -> list[str]:
         f"(level {report['onnx_level']}), OpenVINO {versions.get('openvino', '?')} "
         f"({PRECISION_NOTES[precision]}); run of {report['machine']['date'][:10]}."
     )
-    return table(header, "lr" + "r" * (len(header) - 2), rows) + ["", caption + PEERS_CAPTION]
+    return table(header, "lr" + "r" * (len(header) - 2), rows) + [
+        "",
+        caption + PEERS_CAPTION + peers_verdicts(report),
+    ]
+
+
+def peers_verdicts(report: dict) -> str:
+    """Where bert-cluster (fp32) overtakes each peer on the proxy, and issue 26's targets, as measured."""
+    found = report.get("crossovers", {}).get("minilm-l6-16k", {}).get("bert-cluster", {})
+    parts = [
+        f"{peer} at {tokens(c['length'])} tokens" if c.get("length") else f"{peer}: {c['note']}"
+        for peer, c in found.items()
+    ]
+    targets = [
+        f"≥ {t['speedup_target']:g}× at {tokens(t['length'])}: "
+        + {True: "met", False: "missed", None: "not measured"}[t["met"]]
+        for t in report.get("targets", [])
+    ]
+    text = ""
+    if parts:
+        text += f" bert-cluster (fp32) overtakes on minilm-l6-16k: {'; '.join(parts)}."
+    if targets:
+        text += f" Issue 26's targets (the fastest peer, cosine ≥ 0.98): {'; '.join(targets)}."
+    return text
 
 
 PRECISION_NOTES = {

@@ -105,6 +105,9 @@ def test_markdown_table_has_a_row_per_length_and_marks_failures():
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 512", "| 2,048", "| 8,192", "| 16,384"]
     assert "| 16,384 | 0.02 | 0.6 (0.970) | failed | 0.1 (0.990) |" in table
+    assert "| tokens | torch | bert-cluster | onnx | openvino (f32) |" in table  # f32 before the option
+    chosen = bench.markdown_table({"results": RESULTS, "openvino_precision": "default"})
+    assert "| tokens | torch | bert-cluster | onnx | openvino (default) |" in chosen
 
 
 @pytest.mark.parametrize(
