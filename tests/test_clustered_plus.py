@@ -440,7 +440,9 @@ def test_the_new_steps_are_cpu_kernels_and_reference_steps_on_cuda():
         "lloyd_refine",
         "refine_with_query_mass",
         "clustered_heads",
+        "clustered_heads_partition",
         "refine_with_query_mass_backward",
+        "centroid_attention_backward_into",
         "banded_attention_backward",
     }
     assert not set(ops.CPU_ONLY_OPS) & set(ops.OPS)
