@@ -660,11 +660,21 @@ def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float().contiguous()
 
 
+def _wide_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, as the refinements' backward kernels read it.
+
+    The CPU kernels read rows through their strides: a float32 tensor in transformers' (B, L, H, D) memory
+    is not copied. The other devices' kernels take it contiguous.
+    """
+    tensor = tensor.float()
+    return tensor if tensor.device.type == "cpu" and tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def _topk_refine_gradient(
     grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
 ):
     found = topk_refine_backward(  # q, k, v read in their dtype and layout (no widened copies)
-        _wide(grads[0]),
+        _wide_rows(grads[0]),
         queries,
         keys,
         values,
@@ -692,10 +702,10 @@ def _refine_with_query_mass_gradient(
     scaling,
 ):
     found = refine_with_query_mass_backward(
-        _wide(grads[0]),
-        _wide(queries),
-        _wide(keys),
-        _wide(values),
+        _wide_rows(grads[0]),
+        _wide_rows(queries),
+        _wide_rows(keys),
+        _wide_rows(values),
         valid.contiguous(),
         assignments.contiguous(),
         _wide(centroids),

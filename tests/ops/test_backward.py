@@ -442,6 +442,31 @@ def test_one_node_backward_equals_autograd_through_the_steps(backend: str, devic
     assert type(out.grad_fn).__name__ == "_StepsWithBackwardBackward", out.grad_fn
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
+def test_backward_reads_transformers_layout_as_contiguous(mode: str, dtype: str) -> None:
+    """Queries, keys, values and the output gradient in (B, L, H, D) memory, as transformers gives them:
+    the CPU backward kernels read them through their strides (no contiguous copy), with the same bits."""
+    require_kernels("cpu")
+    q, k, v, valid = _inputs(Case(300, 10, 16, 32, 32, dtype, True), seed=9)
+    out_grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(q.dtype)
+    config = ClusteredAttentionConfig(clusters=10, topk=16, mode=mode, min_length=0, backend="cpu")
+
+    def transformers_layout(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    laid_out = {name: transformers_layout(t) for name, t in {"query": q, "key": k, "value": v}.items()}
+    assert not laid_out["query"].is_contiguous()
+
+    def attend(**t):
+        return clustered_attention(**t, valid=valid, config=config)
+
+    strided = _grads(attend, laid_out, transformers_layout(out_grad))
+    contiguous = _grads(attend, {"query": q, "key": k, "value": v}, out_grad)
+    for name in contiguous:
+        assert torch.equal(strided[name], contiguous[name]), f"d{name}: the layout changed the gradient"
+
+
 @pytest.mark.parametrize("backend,device", kernel_backends())
 @pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
 def test_two_backward_passes_give_the_same_bits(backend: str, device: str, mode: str) -> None:
