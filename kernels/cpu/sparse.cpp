@@ -292,7 +292,10 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   // The softmax of each member's scores, one phase for all M members at a time (maxima, exponentials,
   // sums, scaling): each member's steps are a chain of dependent reductions, and phase by phase the M
   // chains overlap (8 members: 193 -> 143 ns); every member's operations are the same as one by one.
-  float top[M], coef[M];
+  // The members' sums of exponentials are added up across their lanes together (hsums: one lane_sums for
+  // M >= 4, the same bits as M hsums).
+  float top[M], coef[M], total[M];
+  f32x16 acc[M];
   for (int m = 0; m < M; ++m) {
     const float* sm = scores + m * kvp;
     f32x16 mx = f32x16{} + kNegInf;
@@ -304,15 +307,16 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
-    f32x16 acc = {};
+    acc[m] = f32x16{};
     for (int64_t j = 0; j < kvp; j += 16) {
       f32x16 e = fast_exp16(load16(sm + j) - top[m]);
       e = select(first_lanes(kv - j), e, f32x16{});  // padding slots: no weight
-      acc += e;
+      acc[m] += e;
       store16(sm + j, e);
     }
-    coef[m] = mass / hsum(acc);
   }
+  hsums<M>(acc, total);
+  for (int m = 0; m < M; ++m) coef[m] = mass / total[m];
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
     for (int64_t j = 0; j < kvp; j += 16) store16(sm + j, load16(sm + j) * coef[m]);
