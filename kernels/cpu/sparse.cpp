@@ -481,14 +481,14 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
         }
         orows[m] = out + member[m0 + m] * os;
       }
-      // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
-      // for them took most of the refinement's time on heads larger than the cache (4,096 x 64, one
-      // thread: 8.2 ms for 12 heads without, 4.6 with).
+      // The next block's query rows: a cluster's members lie anywhere in the head, and waiting for them
+      // took most of the refinement's time on heads larger than the cache (4,096 x 64, one thread: 8.2 ms
+      // for 12 heads without, 4.6 with). Not the output rows (in (R, N, H, Dv) memory from clustered_heads,
+      // one page apart or so): the write prefetches waited for miss buffers and page walks, and the
+      // refinement at 4,096 tokens took 4-6% longer with them than with the stores alone.
       for (int64_t m = m0 + kRefineBlock; m < std::min<int64_t>(members, m0 + 2 * kRefineBlock); ++m) {
         const char* row = static_cast<const char*>(queries.ptr(member[m]));
         for (int64_t b = 0; b < query_bytes; b += 64) __builtin_prefetch(row + b);
-        const char* dst = reinterpret_cast<const char*>(out + member[m] * os);
-        for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
       }
       refine_members(count, qrows, sc.kt.data(), sc.krows.data(), from_rows, kvp, kv, sc.vrows.data(), base, mass,
                      job.scaling, dk, dv, dvp, sc.scores.data(), orows, sc.tail.data());
