@@ -102,24 +102,33 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
       }
     }
   }
-  // Each member's exponentials and R(q_i)'s lanes first, then the 2M lane sums in one pass (hsums: the
-  // same bits as hsum one by one, without 2M chains of dependent reductions).
+  // From 4 members on, each member's exponentials and R(q_i)'s lanes first, then the 2M lane sums in one
+  // pass (hsums: the same bits as hsum one by one, without 2M chains of dependent reductions); below (AVX2's
+  // blocks of 2), each member's right away, as keeping the sums for later was slower there.
+  constexpr bool kTogether = M >= 4;
   float rest[M], mx[M], sum[M], rest_sum[M];
-  f32x16 acc[M], rest_acc[M];
+  f32x16 acc[kTogether ? M : 1], rest_acc[kTogether ? M : 1];
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kp;
+    const int slot = kTogether ? m : 0;
     mx[m] = max_of(sm, kv);
-    acc[m] = f32x16{};
+    acc[slot] = f32x16{};
     for (int64_t c0 = 0; c0 < kp; c0 += kLanes) {
       f32x16 e = fast_exp16(load16(sm + c0) - mx[m]);
       e = select(first_lanes(kv - c0), e, f32x16{});  // padding lanes: 0
-      acc[m] += e;
+      acc[slot] += e;
       store16(sm + c0, e);
     }
-    rest_acc[m] = rest_lanes(q[m], key_mean, half_var, dk);
+    rest_acc[slot] = rest_lanes(q[m], key_mean, half_var, dk);
+    if constexpr (!kTogether) {
+      sum[m] = hsum(acc[0]);
+      rest_sum[m] = hsum(rest_acc[0]);
+    }
   }
-  hsums<M>(acc, sum);
-  hsums<M>(rest_acc, rest_sum);
+  if constexpr (kTogether) {
+    hsums<M>(acc, sum);
+    hsums<M>(rest_acc, rest_sum);
+  }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kp;
     // rho_i = other / sum with other = exp(log_base + R(q_i) - mx), as Z_T(q_i) = sum e^mx. Then

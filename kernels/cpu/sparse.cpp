@@ -209,6 +209,12 @@ void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
 // accumulator takes 2 of 16, and 8 members ran at 254 ns per query against 134 for 2).
 constexpr int kRefineBlock = kNativeBytes == 64 ? 8 : 2;
 
+// Whether topk_refine prefetches the next block's output rows (in (R, N, H, Dv) memory from clustered_heads,
+// one page apart or so). With AVX-512 (blocks of 8) the prefetches waited for miss buffers and page walks,
+// and the refinement at 4,096 tokens, one thread, took 4-6% longer with them than with the stores alone;
+// with AVX2 (blocks of 2) it took 24-37% longer without them.
+constexpr bool kPrefetchOutputs = kNativeBytes < 64;
+
 struct RefineScratch {
   Floats kt, kbuf, vbuf, base, scores, qbuf, tail, zero_row;
   std::vector<const float*> krows, vrows;
@@ -282,10 +288,12 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   // The softmax of each member's scores, one phase for all M members at a time (maxima, exponentials,
   // sums, scaling): each member's steps are a chain of dependent reductions, and phase by phase the M
   // chains overlap (8 members: 193 -> 143 ns); every member's operations are the same as one by one.
-  // The members' sums of exponentials are added up across their lanes together (hsums: one lane_sums for
-  // M >= 4, the same bits as M hsums).
+  // From 4 members on, their sums of exponentials are added up across their lanes together (hsums: one
+  // lane_sums, the same bits as M hsums); below, each member's right away (with AVX2, blocks of 2, keeping
+  // the sums for later made the refinement 11-16% slower).
+  constexpr bool kTogether = M >= 4;
   float top[M], coef[M], total[M];
-  f32x16 acc[M];
+  f32x16 acc[kTogether ? M : 1];
   for (int m = 0; m < M; ++m) {
     const float* sm = scores + m * kvp;
     f32x16 mx = f32x16{} + kNegInf;
@@ -297,16 +305,20 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
-    acc[m] = f32x16{};
+    f32x16& a = acc[kTogether ? m : 0];
+    a = f32x16{};
     for (int64_t j = 0; j < kvp; j += 16) {
       f32x16 e = fast_exp16(load16(sm + j) - top[m]);
       e = select(first_lanes(kv - j), e, f32x16{});  // padding slots: no weight
-      acc[m] += e;
+      a += e;
       store16(sm + j, e);
     }
+    if constexpr (!kTogether) coef[m] = mass / hsum(a);
   }
-  hsums<M>(acc, total);
-  for (int m = 0; m < M; ++m) coef[m] = mass / total[m];
+  if constexpr (kTogether) {
+    hsums<M>(acc, total);
+    for (int m = 0; m < M; ++m) coef[m] = mass / total[m];
+  }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
     for (int64_t j = 0; j < kvp; j += 16) store16(sm + j, load16(sm + j) * coef[m]);
@@ -483,12 +495,14 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
       }
       // The next block's query rows: a cluster's members lie anywhere in the head, and waiting for them
       // took most of the refinement's time on heads larger than the cache (4,096 x 64, one thread: 8.2 ms
-      // for 12 heads without, 4.6 with). Not the output rows (in (R, N, H, Dv) memory from clustered_heads,
-      // one page apart or so): the write prefetches waited for miss buffers and page walks, and the
-      // refinement at 4,096 tokens took 4-6% longer with them than with the stores alone.
+      // for 12 heads without, 4.6 with). Its output rows only below AVX-512 (kPrefetchOutputs).
       for (int64_t m = m0 + kRefineBlock; m < std::min<int64_t>(members, m0 + 2 * kRefineBlock); ++m) {
         const char* row = static_cast<const char*>(queries.ptr(member[m]));
         for (int64_t b = 0; b < query_bytes; b += 64) __builtin_prefetch(row + b);
+        if constexpr (kPrefetchOutputs) {
+          const char* dst = reinterpret_cast<const char*>(out + member[m] * os);
+          for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
+        }
       }
       refine_members(count, qrows, sc.kt.data(), sc.krows.data(), from_rows, kvp, kv, sc.vrows.data(), base, mass,
                      job.scaling, dk, dv, dvp, sc.scores.data(), orows, sc.tail.data());
