@@ -38,14 +38,30 @@ BC_INLINE void score_keys(const float* __restrict qt, const float* __restrict k,
     for (int v = 0; v < LV; ++v) store16(s + i * kLaneCount + 16 * v, acc[i][v] * scaling);
 }
 
+// Start fetching rows [t, t + count) of the prefetch's keys and values.
+BC_INLINE void prefetch_rows(const TilePrefetch& pf, int64_t t, int64_t count) {
+  for (int64_t i = t; i < t + count; ++i) {
+    const char* key = pf.keys + i * pf.key_step;
+    const char* value = pf.values + i * pf.value_step;
+    for (int64_t b = 0; b < pf.key_bytes; b += 64) __builtin_prefetch(key + b);
+    for (int64_t b = 0; b < pf.value_bytes; b += 64) __builtin_prefetch(value + b);
+  }
+}
+
 template <int LV>
 BC_INLINE void score_rows(const float* __restrict qt, const float* __restrict k, int64_t kstride, int64_t rows,
-                          int64_t dk, float scaling, float* __restrict s) {
+                          int64_t dk, float scaling, float* __restrict s, const TilePrefetch* prefetch) {
   // Keys per pass, so that the KB x LV accumulators stay in registers (32 with AVX-512; 16 with AVX2, where
   // each takes 2).
   constexpr int KB = kNativeBytes == 64 ? (LV == 1 ? 8 : 6) : (LV == 1 ? 4 : 2);
   int64_t t = 0;
-  for (; t + KB <= rows; t += KB) score_keys<LV, KB>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
+  for (; t + KB <= rows; t += KB) {
+    // A few rows' prefetches per block, between its multiply-adds: issued 256 at a time (every 32 keys),
+    // they waited for free miss buffers, and their stalls were 13% of centroid attention at 4,096 tokens.
+    if (prefetch != nullptr) prefetch_rows(*prefetch, t, KB);
+    score_keys<LV, KB>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
+  }
+  if (prefetch != nullptr && t < rows) prefetch_rows(*prefetch, t, rows - t);
   for (; t < rows; ++t) score_keys<LV, 1>(qt, k + t * kstride, kstride, dk, scaling, s + t * kLaneCount);
 }
 
@@ -571,11 +587,11 @@ const float* value_rows(const Rows& src, InputType type, int64_t r, int64_t h, i
 }
 
 void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
-                int lane_vectors, float* s) {
+                int lane_vectors, float* s, const TilePrefetch* prefetch) {
   if (lane_vectors == 1) {
-    score_rows<1>(qt, k, kstride, rows, dk, scaling, s);
+    score_rows<1>(qt, k, kstride, rows, dk, scaling, s, prefetch);
   } else {
-    score_rows<2>(qt, k, kstride, rows, dk, scaling, s);
+    score_rows<2>(qt, k, kstride, rows, dk, scaling, s, prefetch);
   }
 }
 

@@ -38,10 +38,20 @@ const float* value_rows(const Rows& src, InputType type, int64_t r, int64_t h, i
 // src (n values of `type`) as float32 into dst.
 void widen_row(InputType type, const void* src, float* dst, int64_t n);
 
+// Rows to start fetching while a tile is scored: with each block of keys scored, the same rows of `keys`
+// (the caller points it some rows ahead) and of `values`, `*_step` bytes apart, `*_bytes` bytes each.
+struct TilePrefetch {
+  const char* keys;
+  int64_t key_step, key_bytes;
+  const char* values;
+  int64_t value_step, value_bytes;
+};
+
 // s (rows x 32, row-major) = scaling * k . qt for the first 16 * lane_vectors lanes; k: rows of dk floats,
-// kstride apart; qt: dk x 32, lane-major.
+// kstride apart; qt: dk x 32, lane-major. With `prefetch`, its rows are fetched block by block as the
+// keys are scored (the same scores).
 void score_tile(const float* qt, const float* k, int64_t kstride, int64_t rows, int64_t dk, float scaling,
-                int lane_vectors, float* s);
+                int lane_vectors, float* s, const TilePrefetch* prefetch = nullptr);
 
 // s[t][c] = -inf for the lanes c outside [first[t], last[t]] (an empty range when first > last).
 void mask_tile(float* s, int64_t rows, const int32_t* first, const int32_t* last, int lane_vectors);

@@ -43,17 +43,27 @@ struct Cluster {
 };
 
 // R(x) = s x . (mu + s / 2 var x) = s x . mu + s^2 / 2 x^2 . var, with half_var = s / 2 var.
-BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
-                          int64_t dk, float scaling) {
+// rest_logz in two parts, so that a block's members add up their lanes together (hsums): the lane-wise
+// sums over whole vectors, then scaling * (their hsum + the features past them).
+BC_INLINE f32x16 rest_lanes(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
+                            int64_t dk) {
   f32x16 acc = {};
-  int64_t d = 0;
-  for (; d + 16 <= dk; d += 16) {
+  for (int64_t d = 0; d + 16 <= dk; d += 16) {
     const f32x16 v = load16(x + d);
     acc += v * (load16(mean + d) + load16(half_var + d) * v);
   }
-  float sum = hsum(acc);
-  for (; d < dk; ++d) sum += x[d] * (mean[d] + half_var[d] * x[d]);
+  return acc;
+}
+
+BC_INLINE float rest_finish(float sum, const float* __restrict x, const float* __restrict mean,
+                            const float* __restrict half_var, int64_t dk, float scaling) {
+  for (int64_t d = dk / 16 * 16; d < dk; ++d) sum += x[d] * (mean[d] + half_var[d] * x[d]);
   return scaling * sum;
+}
+
+BC_INLINE float rest_logz(const float* __restrict x, const float* __restrict mean, const float* __restrict half_var,
+                          int64_t dk, float scaling) {
+  return rest_finish(hsum(rest_lanes(x, mean, half_var, dk)), x, mean, half_var, dk, scaling);
 }
 
 // M queries of one cluster (rows q[m], outputs out[m]): scores over the top-k keys (each transposed key
@@ -92,24 +102,42 @@ BC_INLINE void refine_block(const float* const* q, float* const* out, const Clus
       }
     }
   }
-  float rest[M];
+  // From 4 members on, each member's exponentials and R(q_i)'s lanes first, then the 2M lane sums in one
+  // pass (hsums: the same bits as hsum one by one, without 2M chains of dependent reductions); below (AVX2's
+  // blocks of 2), each member's right away, as keeping the sums for later was slower there.
+  constexpr bool kTogether = M >= 4;
+  float rest[M], mx[M], sum[M], rest_sum[M];
+  f32x16 acc[kTogether ? M : 1], rest_acc[kTogether ? M : 1];
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kp;
-    const float mx = max_of(sm, kv);
-    f32x16 acc = {};
+    const int slot = kTogether ? m : 0;
+    mx[m] = max_of(sm, kv);
+    acc[slot] = f32x16{};
     for (int64_t c0 = 0; c0 < kp; c0 += kLanes) {
-      f32x16 e = fast_exp16(load16(sm + c0) - mx);
+      f32x16 e = fast_exp16(load16(sm + c0) - mx[m]);
       e = select(first_lanes(kv - c0), e, f32x16{});  // padding lanes: 0
-      acc += e;
+      acc[slot] += e;
       store16(sm + c0, e);
     }
-    const float sum = hsum(acc);
+    rest_acc[slot] = rest_lanes(q[m], key_mean, half_var, dk);
+    if constexpr (!kTogether) {
+      sum[m] = hsum(acc[0]);
+      rest_sum[m] = hsum(rest_acc[0]);
+    }
+  }
+  if constexpr (kTogether) {
+    hsums<M>(acc, sum);
+    hsums<M>(rest_acc, rest_sum);
+  }
+  for (int m = 0; m < M; ++m) {
+    float* sm = scores + m * kp;
     // rho_i = other / sum with other = exp(log_base + R(q_i) - mx), as Z_T(q_i) = sum e^mx. Then
     // m_i / sum = 1 / (sum + other) scales the exps, and 1 - m_i = other / (sum + other).
-    const float other = std::exp(log_base + rest_logz(q[m], key_mean, half_var, dk, scaling) - mx);
+    const float other =
+        std::exp(log_base + rest_finish(rest_sum[m], q[m], key_mean, half_var, dk, scaling) - mx[m]);
     float coef;
     if (other < kInf) {
-      coef = 1.f / (sum + other);
+      coef = 1.f / (sum[m] + other);
       rest[m] = other * coef;
     } else {
       coef = 0.f;

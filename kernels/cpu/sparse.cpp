@@ -96,11 +96,6 @@ struct LaneScratch {
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kStreamBytes = int64_t{1} << 20;  // a head's keys and values past this come from memory
 
-// Start fetching `bytes` bytes at p into the cache (a hint: never faults, even past the end of a tensor).
-BC_INLINE void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
-}
-
 // One (row, head, group of 32 clusters).
 void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
   const int64_t rh = task / job.groups, g = task % job.groups;
@@ -131,20 +126,15 @@ void centroid_task(const CentroidJob& job, int64_t task, LaneScratch& sc) {
     int64_t ks = 0, vs = 0;
     const float* kp = float_rows(job.keys, job.type, r, h, j0, rows, dk, dk, true, sc.kbuf.data(), &ks);
     if (stream) {
-      // Scored 32 keys at a time, while the next 32 key rows and these value rows are fetched: a head
-      // larger than the cache streams from memory, and its tiles used to wait for it (at 4,096 x 64, 12
-      // heads, 2 threads: 3.7 ms from memory against 2.6 from cache). Each key's score is the same in any
-      // chunking.
-      const char* next_keys = static_cast<const char*>(job.keys.ptr(r, h, j0 + kPrefetchRows));
-      const char* these_values = static_cast<const char*>(job.values.ptr(r, h, j0));
-      for (int64_t c0 = 0; c0 < rows; c0 += kPrefetchRows) {
-        const int64_t chunk = std::min(kPrefetchRows, rows - c0);
-        for (int64_t t = c0; t < c0 + chunk; ++t) {
-          prefetch_row(next_keys + t * key_step, key_bytes);
-          prefetch_row(these_values + t * value_step, value_bytes);
-        }
-        score_tile(qt, kp + c0 * ks, ks, chunk, dk, job.scaling, lane_vectors, s + c0 * kLaneCount);
-      }
+      // While the tile is scored, key rows ahead (kPrefetchRows read in place; the next tile's when a
+      // tile is widened before it is scored) and this tile's value rows are fetched, a few rows with each
+      // block of keys: a head larger than the cache streams from memory, and its tiles used to wait for
+      // it (at 4,096 x 64, 12 heads, 2 threads: 3.7 ms from memory against 2.6 from cache). Each key's
+      // score is the same however the tile is blocked.
+      const int64_t ahead = job.type == InputType::kFloat32 ? kPrefetchRows : kKeyTile;
+      const TilePrefetch prefetch{static_cast<const char*>(job.keys.ptr(r, h, j0 + ahead)), key_step, key_bytes,
+                                  static_cast<const char*>(job.values.ptr(r, h, j0)), value_step, value_bytes};
+      score_tile(qt, kp, ks, rows, dk, job.scaling, lane_vectors, s, &prefetch);
     } else {
       score_tile(qt, kp, ks, rows, dk, job.scaling, lane_vectors, s);
     }
@@ -219,6 +209,12 @@ void centroid_tasks(const CentroidJob& job, int64_t begin, int64_t end) {
 // accumulator takes 2 of 16, and 8 members ran at 254 ns per query against 134 for 2).
 constexpr int kRefineBlock = kNativeBytes == 64 ? 8 : 2;
 
+// Whether topk_refine prefetches the next block's output rows (in (R, N, H, Dv) memory from clustered_heads,
+// one page apart or so). With AVX-512 (blocks of 8) the prefetches waited for miss buffers and page walks,
+// and the refinement at 4,096 tokens, one thread, took 4-6% longer with them than with the stores alone;
+// with AVX2 (blocks of 2) it took 24-37% longer without them.
+constexpr bool kPrefetchOutputs = kNativeBytes < 64;
+
 struct RefineScratch {
   Floats kt, kbuf, vbuf, base, scores, qbuf, tail, zero_row;
   std::vector<const float*> krows, vrows;
@@ -292,7 +288,12 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   // The softmax of each member's scores, one phase for all M members at a time (maxima, exponentials,
   // sums, scaling): each member's steps are a chain of dependent reductions, and phase by phase the M
   // chains overlap (8 members: 193 -> 143 ns); every member's operations are the same as one by one.
-  float top[M], coef[M];
+  // From 4 members on, their sums of exponentials are added up across their lanes together (hsums: one
+  // lane_sums, the same bits as M hsums); below, each member's right away (with AVX2, blocks of 2, keeping
+  // the sums for later made the refinement 11-16% slower).
+  constexpr bool kTogether = M >= 4;
+  float top[M], coef[M], total[M];
+  f32x16 acc[kTogether ? M : 1];
   for (int m = 0; m < M; ++m) {
     const float* sm = scores + m * kvp;
     f32x16 mx = f32x16{} + kNegInf;
@@ -304,14 +305,19 @@ BC_INLINE void refine_block(const float* const* q, const float* __restrict kt, c
   }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
-    f32x16 acc = {};
+    f32x16& a = acc[kTogether ? m : 0];
+    a = f32x16{};
     for (int64_t j = 0; j < kvp; j += 16) {
       f32x16 e = fast_exp16(load16(sm + j) - top[m]);
       e = select(first_lanes(kv - j), e, f32x16{});  // padding slots: no weight
-      acc += e;
+      a += e;
       store16(sm + j, e);
     }
-    coef[m] = mass / hsum(acc);
+    if constexpr (!kTogether) coef[m] = mass / hsum(a);
+  }
+  if constexpr (kTogether) {
+    hsums<M>(acc, total);
+    for (int m = 0; m < M; ++m) coef[m] = mass / total[m];
   }
   for (int m = 0; m < M; ++m) {
     float* sm = scores + m * kvp;
@@ -487,14 +493,16 @@ void refine_head(const RefineJob& job, int64_t rh, RefineScratch& sc) {
         }
         orows[m] = out + member[m0 + m] * os;
       }
-      // The next block's query and output rows: a cluster's members lie anywhere in the head, and waiting
-      // for them took most of the refinement's time on heads larger than the cache (4,096 x 64, one
-      // thread: 8.2 ms for 12 heads without, 4.6 with).
+      // The next block's query rows: a cluster's members lie anywhere in the head, and waiting for them
+      // took most of the refinement's time on heads larger than the cache (4,096 x 64, one thread: 8.2 ms
+      // for 12 heads without, 4.6 with). Its output rows only below AVX-512 (kPrefetchOutputs).
       for (int64_t m = m0 + kRefineBlock; m < std::min<int64_t>(members, m0 + 2 * kRefineBlock); ++m) {
         const char* row = static_cast<const char*>(queries.ptr(member[m]));
         for (int64_t b = 0; b < query_bytes; b += 64) __builtin_prefetch(row + b);
-        const char* dst = reinterpret_cast<const char*>(out + member[m] * os);
-        for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
+        if constexpr (kPrefetchOutputs) {
+          const char* dst = reinterpret_cast<const char*>(out + member[m] * os);
+          for (int64_t b = 0; b < dv * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(dst + b, 1);
+        }
       }
       refine_members(count, qrows, sc.kt.data(), sc.krows.data(), from_rows, kvp, kv, sc.vrows.data(), base, mass,
                      job.scaling, dk, dv, dvp, sc.scores.data(), orows, sc.tail.data());

@@ -326,6 +326,22 @@ BC_INLINE f32x16 lane_sums(const f32x16* a) {
 #endif
 }
 
+// out[m] = hsum(a[m]) for m < M (M <= 16), bit for bit: from 4 vectors on in one lane_sums (its shuffles
+// also transpose, and the M sums run side by side instead of as M chains of dependent reductions).
+template <int M>
+BC_INLINE void hsums(const f32x16* a, float* out) {
+  static_assert(M >= 1 && M <= 16);
+  if constexpr (M < 4) {
+    for (int m = 0; m < M; ++m) out[m] = hsum(a[m]);
+  } else {
+    f32x16 x[16];
+    for (int m = 0; m < 16; ++m) x[m] = m < M ? a[m] : f32x16{};
+    alignas(64) float sums[16];
+    store16(sums, lane_sums(x));
+    for (int m = 0; m < M; ++m) out[m] = sums[m];
+  }
+}
+
 // a[0] + ... + a[15] lane by lane, in hsum's order (pairs 8 apart, then 4, 2, 1): what 16 hsums of the
 // transposed vectors give, with 15 additions and no shuffle.
 BC_INLINE f32x16 tree_sum16(const f32x16* a) {
