@@ -400,7 +400,9 @@ def windowed_attention(
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
     backend = dispatch.select_backend(config.backend, query, key, value)
     if dropout:
-        out = backend.banded_attention_dropout(query, key, value, valid, int(window), scaling, dropout, dropout_seed())
+        out = backend.banded_attention_dropout(
+            query, key, value, valid, int(window), scaling, dropout, dropout_seed()
+        )
         return out.to(query.dtype)
     return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
 
@@ -670,7 +672,8 @@ def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_an
             p.topk_mass, nothing, scaling, dropout, seed,
         )  # fmt: skip
     return backend.topk_refine_dropout(
-        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling, dropout, seed
+        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
+        dropout, seed,
     )  # fmt: skip
 
 

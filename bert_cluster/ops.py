@@ -773,7 +773,9 @@ def _centroid_rest_backward_fake(grad, centroids, keys, values, *rest):
 
 
 @torch.library.register_fake(f"{NAMESPACE}::topk_refine_dropout_backward")
-def _topk_refine_dropout_backward_fake(grad_out, queries, keys, values, assignments, topk_indices, topk_mass, *rest):
+def _topk_refine_dropout_backward_fake(
+    grad_out, queries, keys, values, assignments, topk_indices, topk_mass, *rest
+):
     return _topk_refine_backward_fake(
         grad_out, queries, keys, values, assignments, topk_indices, topk_mass, 1.0
     )
@@ -930,7 +932,7 @@ def refine_with_query_mass_dropout_backward(
     dropout: float,
     seed: int,
 ) -> tuple[torch.Tensor, ...]:
-    """See ``reference.refine_with_query_mass_dropout_backward``: float32 gradients (q, k, v, c, Vc, m, Vtop)."""
+    """See ``reference.refine_with_query_mass_dropout_backward``: gradients (q, k, v, c, Vc, m, Vtop)."""
     _ensure_loaded()
     return _ops.refine_with_query_mass_dropout_backward.default(
         _wide(grad_out), _wide(queries), _wide(keys), _wide(values), valid.contiguous(),

@@ -277,7 +277,9 @@ class Case:
 
     def __str__(self) -> str:
         pad = "-pad" if self.padded else ""
-        return f"N{self.n}-C{self.clusters}-k{self.topk}-D{self.dk}x{self.dv}-w{self.window}-{self.dtype}{pad}"
+        return (
+            f"N{self.n}-C{self.clusters}-k{self.topk}-D{self.dk}x{self.dv}-w{self.window}-{self.dtype}{pad}"
+        )
 
 
 # The property suite's layouts (tests/ops/test_backward.py's GRID): N = 1, C > valid N, odd head dims,
@@ -322,7 +324,9 @@ def _op_calls(case: Case, dropout: float = P, seed: int = 17):
     return {
         "centroid_rest": (
             {"centroids": centroids, "keys": k, "values": v},
-            lambda step, centroids, keys, values: step(centroids, keys, values, valid, indices, scaling, *drop),
+            lambda step, centroids, keys, values: step(
+                centroids, keys, values, valid, indices, scaling, *drop
+            ),
         ),
         "topk_refine_dropout": (
             {"queries": q, "keys": k, "values": v, "vc": rest, "mass": mass, "topv": nothing},
@@ -338,12 +342,19 @@ def _op_calls(case: Case, dropout: float = P, seed: int = 17):
         ),
         "banded_attention_dropout": (
             {"queries": q, "keys": k, "values": v},
-            lambda step, queries, keys, values: step(queries, keys, values, valid, case.window, scaling, *drop),
+            lambda step, queries, keys, values: step(
+                queries, keys, values, valid, case.window, scaling, *drop
+            ),
         ),
     }
 
 
-DROPOUT_OPS = ["centroid_rest", "topk_refine_dropout", "refine_with_query_mass_dropout", "banded_attention_dropout"]
+DROPOUT_OPS = [
+    "centroid_rest",
+    "topk_refine_dropout",
+    "refine_with_query_mass_dropout",
+    "banded_attention_dropout",
+]
 
 
 def _forward_and_grads(step, call, inputs: dict, output_grad=None):
