@@ -768,7 +768,7 @@ def _banded_attention_dropout_fake(queries, keys, values, valid, window, scaling
 
 
 @torch.library.register_fake(f"{NAMESPACE}::centroid_rest_backward")
-def _centroid_rest_backward_fake(grad, centroids, keys, values, *rest):
+def _centroid_rest_backward_fake(grad_rest, centroids, keys, values, *rest):
     return tuple(torch.empty_like(t, dtype=torch.float32) for t in (centroids, keys, values))
 
 
@@ -878,7 +878,7 @@ def banded_attention_dropout(
 
 
 def centroid_rest_backward(
-    grad: torch.Tensor,
+    grad_rest: torch.Tensor,
     centroids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -891,7 +891,7 @@ def centroid_rest_backward(
     """See ``reference.centroid_rest_backward``: float32 gradients of centroids, keys and values."""
     _ensure_loaded()
     return _ops.centroid_rest_backward.default(
-        _wide(grad), _wide(centroids), _wide(keys), _wide(values), valid.contiguous(),
+        _wide(grad_rest), _wide(centroids), _wide(keys), _wide(values), valid.contiguous(),
         topk_indices.contiguous(), float(scaling), float(dropout), int(seed),
     )  # fmt: skip
 

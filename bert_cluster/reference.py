@@ -846,7 +846,7 @@ def banded_attention_backward(
 
 
 def centroid_rest_backward(
-    grad: torch.Tensor,
+    grad_rest: torch.Tensor,
     centroids: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -858,7 +858,7 @@ def centroid_rest_backward(
 ) -> tuple[torch.Tensor, ...]:
     """``centroid_rest``'s gradients of centroids, keys and values."""
     inputs = [centroids, keys, values, valid, topk_indices, scaling, dropout, seed]
-    return tuple(_wide(g) for g in _gradients(centroid_rest, inputs, [0, 1, 2], grad))
+    return tuple(_wide(g) for g in _gradients(centroid_rest, inputs, [0, 1, 2], grad_rest))
 
 
 def topk_refine_dropout_backward(

@@ -211,7 +211,7 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "centroid_rest_backward",
-        "(Tensor grad, Tensor centroids, Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, "
+        "(Tensor grad_rest, Tensor centroids, Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, "
         "float scaling, float dropout, int seed) -> (Tensor, Tensor, Tensor)",
         CPU,
         "reference.centroid_rest_backward",
