@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -525,3 +526,22 @@ def test_opcheck_the_dropout_ops(op):
     if op.endswith("_backward"):
         tests = ["test_schema", "test_faketensor"]
     torch.library.opcheck(getattr(torch.ops.bert_cluster, op).default, _opcheck_cases()[op], test_utils=tests)
+
+
+@pytest.mark.parametrize("op", DROPOUT_OPS)
+def test_dropout_kernels_ignore_what_padding_holds(op):
+    """NaN in padded queries, keys and values changes no output or gradient bit (never multiplied by 0)."""
+    require_kernels("cpu")
+    case = Case(70, 6, 8, 16, 24, "fp32", True, window=5)
+    inputs, call = _op_calls(case)[op]
+    padded = ~_case_inputs(case)[3][:, None, :, None]  # (R, 1, N, 1)
+    poisoned = {
+        name: torch.where(padded, math.nan, t) if name in ("queries", "keys", "values") else t
+        for name, t in inputs.items()
+    }
+    step = getattr(dispatch.CpuKernelBackend, op)
+    clean = _forward_and_grads(step, call, inputs)
+    dirty = _forward_and_grads(step, call, poisoned, clean[2])
+    assert torch.equal(dirty[0], clean[0])
+    for name, grad in clean[1].items():
+        assert torch.equal(dirty[1][name], grad), name

@@ -108,6 +108,40 @@ inline void add_scaled(float* __restrict out, const float* __restrict x, float w
   for (int64_t i = 0; i < n; ++i) out[i] += w * x[i];
 }
 
+// out[0..d) += sum_{j < m} w[j] * rows[j * stride + 0..d), 16 columns at a time in a register (the rows in j
+// order, their sum added to out once): the (key, centroid) loops' accumulations without a load and a store
+// of out per row.
+void combine(float* __restrict out, const float* __restrict w, const float* __restrict rows, int64_t stride,
+             int64_t m, int64_t d) {
+  int64_t col = 0;
+  for (; col + 16 <= d; col += 16) {
+    f32x16 acc = {};
+    for (int64_t j = 0; j < m; ++j) acc += w[j] * load16(rows + j * stride + col);
+    store16(out + col, load16(out + col) + acc);
+  }
+  for (; col < d; ++col) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < m; ++j) acc += w[j] * rows[j * stride + col];
+    out[col] += acc;
+  }
+}
+
+// combine over m consecutive keys, skipping the padded ones (ok[u] == 0): their rows may hold anything,
+// NaN included, and never enter a product.
+void combine_keys(float* out, const float* w, const float* rows, int64_t stride, int64_t m, int64_t d,
+                  const char* ok) {
+  bool all = true;
+  for (int64_t u = 0; u < m; ++u) all = all && ok[u];
+  if (all) return combine(out, w, rows, stride, m, d);
+  for (int64_t u = 0; u < m; ++u)
+    if (ok[u]) combine(out, w + u, rows + u * stride, stride, 1, d);
+}
+
+// Keys are taken kChunk at a time where a centroid's sum over keys is blocked (combine's m).
+constexpr int64_t kChunk = 16;
+// Centroids are taken up to kMaxLanes at a time where a key's sum over centroids is blocked.
+constexpr int64_t kMaxLanes = 64;
+
 // A cluster's top-k slots holding a key (index >= 0), checked against N.
 int64_t cluster_slots(const int64_t* indices, int64_t k, int64_t n, int64_t* out) {
   int64_t used = 0;
@@ -277,11 +311,15 @@ at::Tensor centroid_rest_cpu(const at::Tensor& centroids, const at::Tensor& keys
       head.factors(drop, drop.head(rh), tip + rh * s.c * s.k, s.k, s.n, a);
       float* o = op + rh * s.c * s.dv;
       const float* V = vp + rh * s.n * s.dv;
-      for (int64_t l = 0; l < head.ns; ++l) {
-        if (!head.key_ok[l]) continue;
-        const float* row = head.p.data() + l * head.cp;
-        const float* f = a.data() + l * head.cp;
-        for (int64_t j = 0; j < s.c; ++j) add_scaled(o + j * s.dv, V + (l + lo) * s.dv, row[j] * f[j], s.dv);
+      // W = P * A in place, then each centroid's sum over kChunk keys at a time (padded keys skipped).
+      for (int64_t l = 0; l < head.ns * head.cp; ++l) head.p[l] *= a[l];
+      float w[kChunk];
+      for (int64_t l0 = 0; l0 < head.ns; l0 += kChunk) {
+        const int64_t m = std::min(kChunk, head.ns - l0);
+        for (int64_t j = 0; j < s.c; ++j) {
+          for (int64_t u = 0; u < m; ++u) w[u] = head.p[(l0 + u) * head.cp + j];
+          combine_keys(o + j * s.dv, w, V + (l0 + lo) * s.dv, s.dv, m, s.dv, head.key_ok.data() + l0);
+        }
       }
     }
   });
@@ -343,21 +381,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_cpu(
           store16(drow + v * 16, acc);
           weighted[v] += load16(prow + v * 16) * acc;
         }
-        float* dvalue = dV + (l + lo) * s.dv;
-        for (int64_t j = 0; j < s.c; ++j) add_scaled(dvalue, G + j * s.dv, prow[j] * f[j], s.dv);
+        float wrow[kMaxLanes];
+        for (int64_t j0 = 0; j0 < s.c; j0 += kMaxLanes) {
+          const int64_t m = std::min(kMaxLanes, s.c - j0);
+          for (int64_t j = 0; j < m; ++j) wrow[j] = prow[j0 + j] * f[j0 + j];
+          combine(dV + (l + lo) * s.dv, wrow, G + j0 * s.dv, s.dv, m, s.dv);
+        }
       }
-      // dS = s * P * (dP - sum P dP): the keys' and centroids' gradients.
+      // dS = s * P * (dP - sum P dP) (0 on padded keys: P is), then the keys' and centroids' gradients.
       for (int64_t l = 0; l < head.ns; ++l) {
-        if (!head.key_ok[l]) continue;
         const float* prow = head.p.data() + l * cpad;
         float* drow = dp.data() + l * cpad;
         for (int64_t v = 0; v < vectors; ++v)
           store16(drow + v * 16, load16(prow + v * 16) * (load16(drow + v * 16) - weighted[v]) * sc);
-        const float* key = K + (l + lo) * s.dk;
-        float* dkey = dK + (l + lo) * s.dk;
+        if (!head.key_ok[l]) continue;
+        for (int64_t j0 = 0; j0 < s.c; j0 += kMaxLanes)
+          combine(dK + (l + lo) * s.dk, drow + j0, cent + j0 * s.dk, s.dk, std::min(kMaxLanes, s.c - j0), s.dk);
+      }
+      float w[kChunk];
+      for (int64_t l0 = 0; l0 < head.ns; l0 += kChunk) {
+        const int64_t m = std::min(kChunk, head.ns - l0);
         for (int64_t j = 0; j < s.c; ++j) {
-          add_scaled(dkey, cent + j * s.dk, drow[j], s.dk);
-          add_scaled(dC + j * s.dk, key, drow[j], s.dk);
+          for (int64_t u = 0; u < m; ++u) w[u] = dp[(l0 + u) * cpad + j];
+          combine_keys(dC + j * s.dk, w, K + (l0 + lo) * s.dk, s.dk, m, s.dk, head.key_ok.data() + l0);
         }
       }
     }
@@ -401,10 +447,15 @@ struct TopkDrop {
 
   // out[0..kp) = sum_d x[d] * t[d * kp + 0..kp)
   void slot_products(const float* x, const float* t, int64_t d_count, float* out) const {
-    for (int64_t base = 0; base < kp; base += 16) {
-      f32x16 acc = {};
-      for (int64_t d = 0; d < d_count; ++d) acc += x[d] * load16(t + d * kp + base);
-      store16(out + base, acc);
+    for (int64_t base = 0; base < kp; base += 32) {  // two independent chains where there are 32 slots
+      const bool pair = base + 16 < kp;
+      f32x16 a0 = {}, a1 = {};
+      for (int64_t d = 0; d < d_count; ++d) {
+        a0 += x[d] * load16(t + d * kp + base);
+        if (pair) a1 += x[d] * load16(t + d * kp + base + 16);
+      }
+      store16(out + base, a0);
+      if (pair) store16(out + base + 16, a1);
     }
   }
 
