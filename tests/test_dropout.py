@@ -545,3 +545,22 @@ def test_dropout_kernels_ignore_what_padding_holds(op):
     assert torch.equal(dirty[0], clean[0])
     for name, grad in clean[1].items():
         assert torch.equal(dirty[1][name], grad), name
+
+
+def test_windowed_attention_drops_on_the_cpu_kernels_like_the_reference():
+    require_kernels("cpu")
+    q, k, v, valid = _inputs(rows=2, heads=2, n=60, dim=16, seed=4)
+    results = []
+    for name in ("reference", "cpu"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(6)
+        out = windowed_attention(*leaves, valid, 5, ClusteredAttentionConfig(backend=name), dropout=0.3)
+        out.square().sum().backward()
+        results.append((out, [t.grad for t in leaves]))
+    (ref_out, ref_grads), (out, grads) = results
+    plain = windowed_attention(q, k, v, valid, 5, ClusteredAttentionConfig(backend="cpu"))
+    assert not torch.equal(out, plain)
+    torch.testing.assert_close(out, ref_out, atol=OP_ATOL["fp32"], rtol=OP_RTOL)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        scale = ref_grad.abs().max().item()
+        assert (grad - ref_grad).abs().max().item() <= GRAD_RTOL["fp32"] * scale
