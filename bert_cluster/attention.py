@@ -386,10 +386,10 @@ def windowed_attention(
 
     Same layout and padding rules as ``clustered_attention``; O(N * window) on every backend
     (``reference.banded_attention`` and the ``banded_attention`` op), where SDPA under a band mask costs N^2.
-    ``dropout`` (training) drops the band's weights; that pass runs the reference, whose autograd is the
-    op's backward anyway.
+    ``dropout`` (training) drops the band's weights (``banded_attention_dropout``: the CPU kernels draw
+    the reference's masks from the call's seed).
     """
-    from bert_cluster import dispatch, reference
+    from bert_cluster import dispatch
 
     dropout = _check_dropout(dropout)
     config = config or ClusteredAttentionConfig()
@@ -398,12 +398,12 @@ def windowed_attention(
     if valid is None:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
+    backend = dispatch.select_backend(config.backend, query, key, value)
     if dropout:
-        out = reference.banded_attention(
-            query, key, value, valid, int(window), scaling, dropout=dropout, seed=dropout_seed()
+        out = backend.banded_attention_dropout(
+            query, key, value, valid, int(window), scaling, dropout, dropout_seed()
         )
         return out.to(query.dtype)
-    backend = dispatch.select_backend(config.backend, query, key, value)
     return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
 
 
@@ -691,30 +691,31 @@ def _refined(backend, queries, keys, values, valid, p: Partition, mode: str, sca
 
 
 def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout) -> torch.Tensor:
-    """The steps with attention dropout (training): the partition on ``backend``, the weights in PyTorch.
+    """The steps with attention dropout (training), every step on ``backend``.
 
     The clusters and their top-k keys are chosen as without dropout. The centroids' attention over the
-    other keys is dropped per (centroid, key) (``reference.centroid_rest``, one C x N product per head)
-    and each query's top-k weights per (query, key); both run the reference (autograd gives the gradient),
-    as no kernel takes a dropout mask yet.
+    other keys is dropped per (centroid, key) (``centroid_rest``, one C x N pass per head) and each query's
+    top-k weights per (query, key) (``topk_refine_dropout``, ``refine_with_query_mass_dropout``): on the
+    CPU kernels, with the reference's masks drawn in place from the seed (their backward draws them
+    again); elsewhere the reference, through autograd.
     """
-    from bert_cluster import reference
-
     *settings, dropout, seed = settings_and_dropout
     clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    drop = {"dropout": dropout, "seed": seed}
-    rest = reference.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, **drop)
+    if backend.name == "cpu":  # the dropout kernels read float32 rows: widened once, not once per step
+        queries, keys, values = (t.float().contiguous() for t in (queries, keys, values))
+    rest = backend.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, seed)
     if mode == "clustered":
         return backend.broadcast_clusters(rest, p.assignments)
     nothing = torch.zeros_like(rest)  # the top-k part already left out of ``rest``
     if mode == "i-clustered+":
-        return reference.refine_with_query_mass(
+        return backend.refine_with_query_mass_dropout(
             queries, keys, values, valid, p.assignments, p.centroids, rest, p.topk_indices,
-            p.topk_mass, nothing, scaling, **drop,
+            p.topk_mass, nothing, scaling, dropout, seed,
         )  # fmt: skip
-    return reference.topk_refine(
-        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling, **drop
+    return backend.topk_refine_dropout(
+        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
+        dropout, seed,
     )  # fmt: skip
 
 

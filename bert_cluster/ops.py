@@ -870,3 +870,261 @@ def _register_backwards() -> None:
 
 
 _register_backwards()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention dropout in training (issue 38, item 2): the dropout ops (kernels/cpu/dropout.cpp on the CPU,
+# the reference elsewhere). Their inputs are float32 and contiguous (``_wide``: no copy when they are
+# already); each backward draws the forward's masks again from its seed, so only the inputs are saved.
+
+
+@torch.library.register_fake(f"{NAMESPACE}::centroid_rest")
+def _centroid_rest_fake(centroids, keys, values, valid, topk_indices, scaling, dropout, seed):
+    return centroids.new_empty((*centroids.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::topk_refine_dropout")
+def _topk_refine_dropout_fake(queries, keys, values, *rest):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_dropout")
+def _refine_with_query_mass_dropout_fake(queries, keys, values, *rest):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::banded_attention_dropout")
+def _banded_attention_dropout_fake(queries, keys, values, valid, window, scaling, dropout, seed):
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::centroid_rest_backward")
+def _centroid_rest_backward_fake(grad_rest, centroids, keys, values, *rest):
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (centroids, keys, values))
+
+
+@torch.library.register_fake(f"{NAMESPACE}::topk_refine_dropout_backward")
+def _topk_refine_dropout_backward_fake(
+    grad_out, queries, keys, values, assignments, topk_indices, topk_mass, *rest
+):
+    return _topk_refine_backward_fake(
+        grad_out, queries, keys, values, assignments, topk_indices, topk_mass, 1.0
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_dropout_backward")
+def _refine_with_query_mass_dropout_backward_fake(grad_out, queries, keys, values, valid, assignments, *rest):
+    centroids, centroid_values, _, topk_mass, topk_values = rest[:5]
+    return tuple(
+        torch.empty_like(t, dtype=torch.float32)
+        for t in (queries, keys, values, centroids, centroid_values, topk_mass, topk_values)
+    )
+
+
+@torch.library.register_fake(f"{NAMESPACE}::banded_attention_dropout_backward")
+def _banded_attention_dropout_backward_fake(grad_out, queries, keys, values, *rest):
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (queries, keys, values))
+
+
+def centroid_rest(
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> torch.Tensor:
+    """See ``reference.centroid_rest``: float32 ``(R, H, C, Dv)``, the dropped attention outside the top-k."""
+    _ensure_loaded()
+    return _ops.centroid_rest.default(
+        _wide(centroids), _wide(keys), _wide(values), valid.contiguous(), topk_indices.contiguous(),
+        float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def topk_refine_dropout(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> torch.Tensor:
+    """See ``reference.topk_refine`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.topk_refine_dropout.default(
+        _wide(queries), _wide(keys), _wide(values), assignments.contiguous(), _wide(centroid_values),
+        topk_indices.contiguous(), _wide(topk_mass), _wide(topk_values), float(scaling), float(dropout),
+        int(seed),
+    )  # fmt: skip
+
+
+def refine_with_query_mass_dropout(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> torch.Tensor:
+    """See ``reference.refine_with_query_mass`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.refine_with_query_mass_dropout.default(
+        _wide(queries), _wide(keys), _wide(values), valid.contiguous(), assignments.contiguous(),
+        _wide(centroids), _wide(centroid_values), topk_indices.contiguous(), _wide(topk_mass),
+        _wide(topk_values), float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def banded_attention_dropout(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> torch.Tensor:
+    """See ``reference.banded_attention`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
+    _ensure_loaded()
+    return _ops.banded_attention_dropout.default(
+        _wide(queries), _wide(keys), _wide(values), valid.contiguous(), int(window), float(scaling),
+        float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def centroid_rest_backward(
+    grad_rest: torch.Tensor,
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.centroid_rest_backward``: float32 gradients of centroids, keys and values."""
+    _ensure_loaded()
+    return _ops.centroid_rest_backward.default(
+        _wide(grad_rest), _wide(centroids), _wide(keys), _wide(values), valid.contiguous(),
+        topk_indices.contiguous(), float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def topk_refine_dropout_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    assignments: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.topk_refine_dropout_backward``: float32 gradients of q, k, v, Vc, mass and Vtop."""
+    _ensure_loaded()
+    return _ops.topk_refine_dropout_backward.default(
+        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), assignments.contiguous(),
+        topk_indices.contiguous(), _wide(topk_mass), float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def refine_with_query_mass_dropout_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.refine_with_query_mass_dropout_backward``: gradients (q, k, v, c, Vc, m, Vtop)."""
+    _ensure_loaded()
+    return _ops.refine_with_query_mass_dropout_backward.default(
+        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), valid.contiguous(),
+        assignments.contiguous(), _wide(centroids), _wide(centroid_values), topk_indices.contiguous(),
+        _wide(topk_mass), _wide(topk_values), float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def banded_attention_dropout_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    window: int,
+    scaling: float,
+    dropout: float,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    """See ``reference.banded_attention_dropout_backward``: float32 gradients of queries, keys and values."""
+    _ensure_loaded()
+    return _ops.banded_attention_dropout_backward.default(
+        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), valid.contiguous(), int(window),
+        float(scaling), float(dropout), int(seed),
+    )  # fmt: skip
+
+
+def _register_dropout_backwards() -> None:
+    # centroid_rest(centroids, keys, values, valid, topk_indices, scaling, dropout, seed) -> rest
+    _register_gradient(
+        "centroid_rest",
+        lambda g, c, k, v, valid, indices, scaling, dropout, seed: [
+            *centroid_rest_backward(g[0], c, k, v, valid, indices, scaling, dropout, seed),
+            None, None, None, None, None,
+        ],
+    )  # fmt: skip
+
+    def topk_refine_gradient(grads, q, k, v, assignments, vc, indices, mass, topv, scaling, dropout, seed):
+        found = topk_refine_dropout_backward(
+            grads[0], q, k, v, assignments, indices, mass, scaling, dropout, seed
+        )
+        dq, dk, dv, dvc, dmass, dtopv = found
+        return [dq, dk, dv, None, dvc, None, dmass, dtopv, None, None, None]
+
+    _register_gradient("topk_refine_dropout", topk_refine_gradient)
+
+    def plus_gradient(grads, q, k, v, valid, assignments, c, vc, indices, mass, topv, scaling, dropout, seed):
+        found = refine_with_query_mass_dropout_backward(
+            grads[0], q, k, v, valid, assignments, c, vc, indices, mass, topv, scaling, dropout, seed
+        )
+        dq, dk, dv, dc, dvc, dmass, dtopv = found
+        return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None, None, None]
+
+    _register_gradient("refine_with_query_mass_dropout", plus_gradient)
+    _register_gradient(
+        "banded_attention_dropout",
+        lambda g, q, k, v, valid, window, scaling, dropout, seed: [
+            *banded_attention_dropout_backward(g[0], q, k, v, valid, window, scaling, dropout, seed),
+            None, None, None, None, None,
+        ],
+    )  # fmt: skip
+
+
+_register_dropout_backwards()

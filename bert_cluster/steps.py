@@ -181,6 +181,75 @@ STEPS: tuple[Step, ...] = (
         CPU,
         "reference.banded_attention_backward",
     ),
+    # Attention dropout in training (issue 38, item 2; kernels/cpu/dropout.cpp): the centroids' attention
+    # over the keys outside their top-k, dropped per (centroid, key), and the refinements and the band
+    # with each query's weights dropped per (query, key). The masks are hashes of (seed, positions)
+    # (reference.dropout_uniforms), drawn again by the backward, never saved.
+    Step(
+        "centroid_rest",
+        "(Tensor centroids, Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, float scaling, "
+        "float dropout, int seed) -> Tensor",
+        CPU,
+        "reference.centroid_rest",
+        backward="centroid_rest_backward",
+    ),
+    Step(
+        "topk_refine_dropout",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor assignments, Tensor centroid_values, "
+        "Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling, float dropout, int seed) "
+        "-> Tensor",
+        CPU,
+        "reference.topk_refine_dropout",
+        backward="topk_refine_dropout_backward",
+    ),
+    Step(
+        "refine_with_query_mass_dropout",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
+        "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling, "
+        "float dropout, int seed) -> Tensor",
+        CPU,
+        "reference.refine_with_query_mass_dropout",
+        backward="refine_with_query_mass_dropout_backward",
+    ),
+    Step(
+        "banded_attention_dropout",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, float scaling, "
+        "float dropout, int seed) -> Tensor",
+        CPU,
+        "reference.banded_attention_dropout",
+        backward="banded_attention_dropout_backward",
+    ),
+    Step(
+        "centroid_rest_backward",
+        "(Tensor grad_rest, Tensor centroids, Tensor keys, Tensor values, Tensor valid, Tensor topk_indices, "
+        "float scaling, float dropout, int seed) -> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.centroid_rest_backward",
+    ),
+    Step(
+        "topk_refine_dropout_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor assignments, "
+        "Tensor topk_indices, Tensor topk_mass, float scaling, float dropout, int seed) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.topk_refine_dropout_backward",
+    ),
+    Step(
+        "refine_with_query_mass_dropout_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, "
+        "Tensor centroids, Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, "
+        "Tensor topk_values, float scaling, float dropout, int seed) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.refine_with_query_mass_dropout_backward",
+    ),
+    Step(
+        "banded_attention_dropout_backward",
+        "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, "
+        "float scaling, float dropout, int seed) -> (Tensor, Tensor, Tensor)",
+        CPU,
+        "reference.banded_attention_dropout_backward",
+    ),
     # Every step of one call per (row, head) in one parallel region (kernels/cpu/pipeline.cpp), with the
     # composed steps' result bit for bit.
     Step(

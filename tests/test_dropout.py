@@ -9,7 +9,9 @@ checkpointing, torch.compile's op) drops the same weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from helpers import kernel_backends, require_kernels, tiny_bert_config
 
 import bert_cluster
 from bert_cluster import ClusteredAttentionConfig, clustered_attention, dispatch, reference
-from bert_cluster.attention import dropped, step_arguments, windowed_attention
+from bert_cluster.attention import dropped, hash_planes, step_arguments, windowed_attention
 
 MODES = ["i-clustered+", "i-clustered", "clustered"]
 
@@ -250,3 +252,315 @@ def test_a_compiled_step_with_dropout_gives_the_eager_gradients():
     assert not torch.equal(eager_loss, plain)  # the masks did drop weights
     for eager, compiled in zip(eager_grads, compiled_grads, strict=True):
         assert torch.equal(eager, compiled)
+
+
+# --- the dropout ops: CPU kernels (kernels/cpu/dropout.cpp) against the reference -----------------------
+
+#: tests/ops/test_ops.py's measured tolerances for an op's float outputs (both sides compute in fp32 from
+#: the same inputs; the dtype only changes the input values) and tests/ops/test_backward.py's for the input
+#: gradients (relative to the largest entry of each; bf16: one bf16 ulp after the final rounding).
+OP_ATOL = {"fp32": 4e-6, "bf16": 6e-6}
+OP_RTOL = 2e-6
+GRAD_RTOL = {"fp32": 4e-6, "bf16": 8e-3}
+P = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    clusters: int
+    topk: int
+    dk: int
+    dv: int
+    dtype: str
+    padded: bool
+    window: int = 3
+
+    def __str__(self) -> str:
+        pad = "-pad" if self.padded else ""
+        return (
+            f"N{self.n}-C{self.clusters}-k{self.topk}-D{self.dk}x{self.dv}-w{self.window}-{self.dtype}{pad}"
+        )
+
+
+# The property suite's layouts (tests/ops/test_backward.py's GRID): N = 1, C > valid N, odd head dims,
+# Dv != Dk, k > N, padding on both sides, fp32 and bf16, and windows below, at and above N.
+GRID = [
+    Case(1, 1, 1, 8, 8, "fp32", False, window=0),
+    Case(7, 25, 4, 5, 7, "fp32", True, window=2),
+    Case(31, 4, 8, 16, 16, "bf16", True),
+    Case(31, 4, 40, 16, 24, "fp32", True, window=40),
+    Case(200, 10, 16, 32, 32, "fp32", True, window=7),
+    Case(200, 10, 16, 32, 32, "bf16", False),
+    Case(300, 25, 91, 32, 16, "fp32", True, window=20),
+]
+
+
+def _case_inputs(case: Case, seed: int = 0):
+    """q, k, v, valid and the reference's discrete choices (assignments, centroids, top-k) for both modes."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, heads = 2, 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
+    q, k = (torch.randn(rows, heads, case.n, case.dk, generator=generator).to(dtype) for _ in range(2))
+    v = torch.randn(rows, heads, case.n, case.dv, generator=generator).to(dtype)
+    valid = torch.ones(rows, case.n, dtype=torch.bool)
+    if case.padded and case.n > 2:
+        valid[1, case.n - case.n // 3 :] = False
+        valid[1, 0] = False
+    scaling = 1 / case.dk**0.5
+    planes, offsets = hash_planes(0, 0, 32, case.dk)
+    hashes = reference.hash_queries(q, planes, offsets)
+    assignments, _ = reference.hamming_kmeans(hashes, valid, case.clusters, 10, 32)
+    plus, centroids, _ = reference.lloyd_refine(q, assignments, case.clusters, 2)
+    _, indices, mass, _ = reference.centroid_attention(centroids, k, v, valid, case.topk, scaling)
+    return q, k, v, valid, scaling, plus, centroids, indices, mass
+
+
+def _op_calls(case: Case, dropout: float = P, seed: int = 17):
+    """Per dropout op: (its differentiable inputs, a function of them taking the step to call)."""
+    q, k, v, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
+    rest = reference.centroid_rest(centroids, k, v, valid, indices, scaling, dropout, seed)
+    nothing = torch.zeros_like(rest)
+    drop = (dropout, seed)
+    return {
+        "centroid_rest": (
+            {"centroids": centroids, "keys": k, "values": v},
+            lambda step, centroids, keys, values: step(
+                centroids, keys, values, valid, indices, scaling, *drop
+            ),
+        ),
+        "topk_refine_dropout": (
+            {"queries": q, "keys": k, "values": v, "vc": rest, "mass": mass, "topv": nothing},
+            lambda step, queries, keys, values, vc, mass, topv: step(
+                queries, keys, values, plus, vc, indices, mass, topv, scaling, *drop
+            ),
+        ),
+        "refine_with_query_mass_dropout": (
+            {"queries": q, "keys": k, "values": v, "c": centroids, "vc": rest, "mass": mass, "topv": nothing},
+            lambda step, queries, keys, values, c, vc, mass, topv: step(
+                queries, keys, values, valid, plus, c, vc, indices, mass, topv, scaling, *drop
+            ),
+        ),
+        "banded_attention_dropout": (
+            {"queries": q, "keys": k, "values": v},
+            lambda step, queries, keys, values: step(
+                queries, keys, values, valid, case.window, scaling, *drop
+            ),
+        ),
+    }
+
+
+DROPOUT_OPS = [
+    "centroid_rest",
+    "topk_refine_dropout",
+    "refine_with_query_mass_dropout",
+    "banded_attention_dropout",
+]
+
+
+def _forward_and_grads(step, call, inputs: dict, output_grad=None):
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    out = call(step, **leaves)
+    if output_grad is None:
+        output_grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(out, list(leaves.values()), output_grad)
+    return out.detach(), dict(zip(leaves, grads, strict=True)), output_grad
+
+
+@pytest.mark.parametrize("op", DROPOUT_OPS)
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_dropout_kernels_match_the_reference_forward_and_backward(case, op):
+    require_kernels("cpu")
+    inputs, call = _op_calls(case)[op]
+    expected, expected_grads, output_grad = _forward_and_grads(getattr(reference, op), call, inputs)
+    got, got_grads, _ = _forward_and_grads(getattr(dispatch.CpuKernelBackend, op), call, inputs, output_grad)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=OP_ATOL[case.dtype], rtol=OP_RTOL)
+    for name, want in expected_grads.items():
+        have = got_grads[name]
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        assert torch.isfinite(have).all(), name
+        scale = max(want.float().abs().max().item(), 1e-6)
+        error = (have.float() - want.float()).abs().max().item() / scale
+        assert error <= GRAD_RTOL[case.dtype], f"{op} d{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("op", DROPOUT_OPS)
+def test_dropout_kernels_give_the_same_bits_twice_at_any_thread_count(op):
+    require_kernels("cpu")
+    case = Case(200, 10, 16, 32, 24, "fp32", True, window=9)
+    inputs, call = _op_calls(case)[op]
+    step = getattr(dispatch.CpuKernelBackend, op)
+    first = _forward_and_grads(step, call, inputs)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            again = _forward_and_grads(step, call, inputs, first[2])
+            assert torch.equal(again[0], first[0])
+            for name, grad in first[1].items():
+                assert torch.equal(again[1][name], grad), name
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _identity_values(rows: int, heads: int, n: int) -> torch.Tensor:
+    return torch.eye(n).expand(rows, heads, n, n).contiguous()
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.5, 0.9])
+def test_dropout_kernels_draw_the_references_masks(dropout):
+    """With one-hot values each output element is one weight: the kept ones are exactly the reference's."""
+    require_kernels("cpu")
+    case = Case(120, 6, 10, 16, 120, "fp32", True, window=130)
+    q, k, _, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
+    v = _identity_values(2, 2, case.n)
+    kernels = dispatch.CpuKernelBackend
+    for seed in (0, 5, 2**61 + 3):
+        rest = (
+            reference.centroid_rest(centroids, k, v, valid, indices, scaling, dropout, seed),
+            kernels.centroid_rest(centroids, k, v, valid, indices, scaling, dropout, seed),
+        )
+        nothing = torch.zeros_like(rest[0])
+        pairs = {
+            "centroid_rest": rest,
+            "topk_refine_dropout": tuple(
+                step(q, k, v, plus, nothing, indices, mass, nothing, scaling, dropout, seed)
+                for step in (reference.topk_refine_dropout, kernels.topk_refine_dropout)
+            ),
+            "banded_attention_dropout": tuple(
+                step(q, k, v, valid, case.window, scaling, dropout, seed)
+                for step in (reference.banded_attention_dropout, kernels.banded_attention_dropout)
+            ),
+        }
+        undropped = {
+            "centroid_rest": reference.centroid_rest(centroids, k, v, valid, indices, scaling),
+            "topk_refine_dropout": reference.topk_refine(
+                q, k, v, plus, nothing, indices, mass, nothing, scaling
+            ),
+            "banded_attention_dropout": reference.banded_attention(q, k, v, valid, case.window, scaling),
+        }
+        for name, (expected, got) in pairs.items():
+            weighed = undropped[name] != 0
+            assert torch.equal(got[weighed] != 0, expected[weighed] != 0), name
+            share = (expected[weighed] == 0).float().mean().item()
+            assert abs(share - dropout) < 0.05, (name, share)
+
+
+def test_dropout_zero_gives_the_plain_ops():
+    require_kernels("cpu")
+    case = Case(200, 10, 16, 32, 24, "fp32", True, window=9)
+    q, k, v, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
+    kernels = dispatch.CpuKernelBackend
+    vc, chosen, _, topv = kernels.centroid_attention(centroids, k, v, valid, case.topk, scaling)
+    assert torch.equal(chosen, indices)  # the same inputs chose the same top-k
+    close = {"atol": OP_ATOL["fp32"], "rtol": OP_RTOL}
+    rest = kernels.centroid_rest(centroids, k, v, valid, indices, scaling, 0.0, 5)
+    torch.testing.assert_close(rest, vc - topv, **close)
+    torch.testing.assert_close(
+        kernels.topk_refine_dropout(q, k, v, plus, vc, indices, mass, topv, scaling, 0.0, 5),
+        kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling),
+        **close,
+    )
+    torch.testing.assert_close(
+        kernels.refine_with_query_mass_dropout(
+            q, k, v, valid, plus, centroids, vc, indices, mass, topv, scaling, 0.0, 5
+        ),
+        kernels.refine_with_query_mass(q, k, v, valid, plus, centroids, vc, indices, mass, topv, scaling),
+        **close,
+    )
+    torch.testing.assert_close(
+        kernels.banded_attention_dropout(q, k, v, valid, 9, scaling, 0.0, 5),
+        kernels.banded_attention(q, k, v, valid, 9, scaling),
+        **close,
+    )
+
+
+def test_dropout_ops_pass_gradcheck_in_float64_on_the_reference():
+    """No kernel takes float64: gradcheck runs on the reference functions the kernels are checked against."""
+    case = Case(12, 3, 4, 4, 4, "fp32", True, window=2)
+    for op, (inputs, call) in _op_calls(case).items():
+        names = list(inputs)
+        leaves = tuple(t.double().requires_grad_() for t in inputs.values())
+        step = getattr(reference, op)
+
+        def function(*tensors, step=step, call=call, names=names):
+            return call(step, **dict(zip(names, tensors, strict=True)))
+
+        assert torch.autograd.gradcheck(function, leaves), op
+
+
+def _opcheck_cases():
+    case = Case(40, 5, 8, 16, 16, "fp32", True, window=3)
+    q, k, v, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
+
+    def grad(t):
+        return t.clone().requires_grad_()
+
+    rest = reference.centroid_rest(centroids, k, v, valid, indices, scaling, P, 4)
+    zero = torch.zeros_like(rest)
+    g_out = torch.randn(2, 2, case.n, case.dv)
+    return {
+        "centroid_rest": (grad(centroids), grad(k), grad(v), valid, indices, scaling, P, 4),
+        "topk_refine_dropout": (
+            grad(q), grad(k), grad(v), plus, grad(rest), indices, grad(mass), grad(zero), scaling, P, 4,
+        ),
+        "refine_with_query_mass_dropout": (
+            grad(q), grad(k), grad(v), valid, plus, grad(centroids), grad(rest), indices, grad(mass),
+            grad(zero), scaling, P, 4,
+        ),
+        "banded_attention_dropout": (grad(q), grad(k), grad(v), valid, 3, scaling, P, 4),
+        "centroid_rest_backward": (torch.randn(rest.shape), centroids, k, v, valid, indices, scaling, P, 4),
+        "topk_refine_dropout_backward": (g_out, q, k, v, plus, indices, mass, scaling, P, 4),
+        "refine_with_query_mass_dropout_backward": (
+            g_out, q, k, v, valid, plus, centroids, rest, indices, mass, zero, scaling, P, 4,
+        ),
+        "banded_attention_dropout_backward": (g_out, q, k, v, valid, 3, scaling, P, 4),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("op", list(_opcheck_cases()))
+def test_opcheck_the_dropout_ops(op):
+    dispatch.CpuKernelBackend.is_available()  # loads _C (its CPU kernels) where it is built
+    tests = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    if op.endswith("_backward"):
+        tests = ["test_schema", "test_faketensor"]
+    torch.library.opcheck(getattr(torch.ops.bert_cluster, op).default, _opcheck_cases()[op], test_utils=tests)
+
+
+@pytest.mark.parametrize("op", DROPOUT_OPS)
+def test_dropout_kernels_ignore_what_padding_holds(op):
+    """NaN in padded queries, keys and values changes no output or gradient bit (never multiplied by 0)."""
+    require_kernels("cpu")
+    case = Case(70, 6, 8, 16, 24, "fp32", True, window=5)
+    inputs, call = _op_calls(case)[op]
+    padded = ~_case_inputs(case)[3][:, None, :, None]  # (R, 1, N, 1)
+    poisoned = {
+        name: torch.where(padded, math.nan, t) if name in ("queries", "keys", "values") else t
+        for name, t in inputs.items()
+    }
+    step = getattr(dispatch.CpuKernelBackend, op)
+    clean = _forward_and_grads(step, call, inputs)
+    dirty = _forward_and_grads(step, call, poisoned, clean[2])
+    assert torch.equal(dirty[0], clean[0])
+    for name, grad in clean[1].items():
+        assert torch.equal(dirty[1][name], grad), name
+
+
+def test_windowed_attention_drops_on_the_cpu_kernels_like_the_reference():
+    require_kernels("cpu")
+    q, k, v, valid = _inputs(rows=2, heads=2, n=60, dim=16, seed=4)
+    results = []
+    for name in ("reference", "cpu"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(6)
+        out = windowed_attention(*leaves, valid, 5, ClusteredAttentionConfig(backend=name), dropout=0.3)
+        out.square().sum().backward()
+        results.append((out, [t.grad for t in leaves]))
+    (ref_out, ref_grads), (out, grads) = results
+    plain = windowed_attention(q, k, v, valid, 5, ClusteredAttentionConfig(backend="cpu"))
+    assert not torch.equal(out, plain)
+    torch.testing.assert_close(out, ref_out, atol=OP_ATOL["fp32"], rtol=OP_RTOL)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        scale = ref_grad.abs().max().item()
+        assert (grad - ref_grad).abs().max().item() <= GRAD_RTOL["fp32"] * scale

@@ -89,4 +89,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& valid, int64_t window, double scaling);
 
+// Attention dropout in training (dropout.cpp): the masks are reference.dropout_uniforms', drawn from the seed.
+at::Tensor centroid_rest_cpu(const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout,
+                             int64_t seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout, int64_t seed);
+
+at::Tensor topk_refine_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                   const at::Tensor& assignments, const at::Tensor& centroid_values,
+                                   const at::Tensor& topk_indices, const at::Tensor& topk_mass,
+                                   const at::Tensor& topk_values, double scaling, double dropout, int64_t seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_dropout_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling,
+    double dropout, int64_t seed);
+
+at::Tensor refine_with_query_mass_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys,
+                                              const at::Tensor& values, const at::Tensor& valid,
+                                              const at::Tensor& assignments, const at::Tensor& centroids,
+                                              const at::Tensor& centroid_values, const at::Tensor& topk_indices,
+                                              const at::Tensor& topk_mass, const at::Tensor& topk_values,
+                                              double scaling, double dropout, int64_t seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+refine_with_query_mass_dropout_backward_cpu(const at::Tensor& grad_out, const at::Tensor& queries,
+                                            const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+                                            const at::Tensor& assignments, const at::Tensor& centroids,
+                                            const at::Tensor& centroid_values, const at::Tensor& topk_indices,
+                                            const at::Tensor& topk_mass, const at::Tensor& topk_values,
+                                            double scaling, double dropout, int64_t seed);
+
+at::Tensor banded_attention_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                        const at::Tensor& valid, int64_t window, double scaling, double dropout,
+                                        int64_t seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_dropout_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, int64_t window, double scaling, double dropout, int64_t seed);
+
 }  // namespace bert_cluster

@@ -25,6 +25,14 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("group_queries_backward", &group_queries_backward_cpu);
   m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cpu);
   m.impl("banded_attention_backward", &banded_attention_backward_cpu);
+  m.impl("centroid_rest", &centroid_rest_cpu);
+  m.impl("centroid_rest_backward", &centroid_rest_backward_cpu);
+  m.impl("topk_refine_dropout", &topk_refine_dropout_cpu);
+  m.impl("topk_refine_dropout_backward", &topk_refine_dropout_backward_cpu);
+  m.impl("refine_with_query_mass_dropout", &refine_with_query_mass_dropout_cpu);
+  m.impl("refine_with_query_mass_dropout_backward", &refine_with_query_mass_dropout_backward_cpu);
+  m.impl("banded_attention_dropout", &banded_attention_dropout_cpu);
+  m.impl("banded_attention_dropout_backward", &banded_attention_dropout_backward_cpu);
 }
 
 }  // namespace bert_cluster
