@@ -346,15 +346,19 @@ __global__ void band_query_backward_kernel(const float* __restrict__ clean, cons
     return visible ? dot_row(qs, K + l * dk, dk) * scaling : -INFINITY;
   };
   float top = -INFINITY;
+  bool any = false;
   for (int64_t j0 = lo; j0 <= hi; j0 += kWarp) {
     bool visible;
     const float s = score(j0 + lane, visible);
     top = fmaxf(top, cuda::warp_max(s));
+    any |= __any_sync(kFull, visible);
   }
   float* st = stats + line * 3;
   float acc[NV];
   for (int t = 0; t < NV; ++t) acc[t] = 0.f;
-  if (top == -INFINITY) {  // a padded query, or no valid key in the band: a zero output, no gradient
+  // A padded query, or no valid key in the band: a zero output, no gradient (decided from the mask: NaN
+  // scores propagate, as on the CPU).
+  if (!any) {
     if (lane == 0) {
       st[0] = -INFINITY;
       st[1] = 0.f;
@@ -432,7 +436,7 @@ __global__ void band_key_backward_kernel(const float* __restrict__ clean, const 
     for (int64_t i0 = lo; i0 <= hi; i0 += kWarp) {
       const int64_t i = i0 + lane;
       const float* st = stats + (rh * n + i) * 3;
-      const bool visible = i <= hi && ok[i] && st[1] > 0.f;
+      const bool visible = i <= hi && ok[i] && st[1] != 0.f;  // 0: no valid key in i's band (NaN counts)
       float ds = 0.f, p = 0.f;
       if (visible) {
         // The query pass's expressions: dot_row(q_i, K_l) there is fmaf(q_i[d], K_l[d], .) in d order, as here.

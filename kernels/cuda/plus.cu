@@ -197,7 +197,7 @@ __global__ void cluster_stats_kernel(const T* __restrict__ keys, const int64_t* 
   const int tid = threadIdx.x;
   const int64_t* idx = indices + line * k;
   int32_t* sl = slots + line * k;
-  int32_t* at = slot_at + line * k;
+  int32_t* pos = slot_at + line * k;
   if (tid == 0) {
     int count = 0;
     for (int64_t j = 0; j < k; ++j) {
@@ -205,7 +205,7 @@ __global__ void cluster_stats_kernel(const T* __restrict__ keys, const int64_t* 
       CUDA_KERNEL_ASSERT(l >= -1 && l < n && "topk_indices must be -1 or in 0..N-1");
       if (l < 0) continue;
       sl[count] = static_cast<int32_t>(l);
-      at[count++] = static_cast<int32_t>(j);
+      pos[count++] = static_cast<int32_t>(j);
     }
     used_shared = count;
     used[line] = count;
@@ -415,7 +415,7 @@ __global__ void query_mass_backward_kernel(
   const int tid = threadIdx.x;
   const int m = used[line];
   const int32_t* sl = slots + line * k;
-  const int32_t* at = slot_at + line * k;
+  const int32_t* pos = slot_at + line * k;
   const float* K = keys + rh * n * dk;
   const float* V = values + rh * n * dv;
   const float* muj = mu + line * dk;
@@ -495,12 +495,12 @@ __global__ void query_mass_backward_kernel(
     }
     for (int64_t e = tid; e < static_cast<int64_t>(m) * dk; e += kBlock) {
       const int64_t u = e / dk, d = e % dk;
-      float* row = dkr + static_cast<int64_t>(at[u]) * dk;
+      float* row = dkr + static_cast<int64_t>(pos[u]) * dk;
       row[d] = fmaf(h[u], qs[d], row[d]);
     }
     for (int64_t e = tid; e < static_cast<int64_t>(m) * dv; e += kBlock) {
       const int64_t u = e / dv, d = e % dv;
-      float* row = dvr + static_cast<int64_t>(at[u]) * dv;
+      float* row = dvr + static_cast<int64_t>(pos[u]) * dv;
       row[d] = fmaf(own * p[u], gs[d], row[d]);
     }
   }
@@ -543,7 +543,7 @@ __global__ void query_mass_backward_kernel(
     }
     for (int64_t e = tid; e < static_cast<int64_t>(m) * dk; e += kBlock) {
       const int64_t u = e / dk, d = e % dk;
-      float* row = dkr + static_cast<int64_t>(at[u]) * dk;
+      float* row = dkr + static_cast<int64_t>(pos[u]) * dk;
       row[d] = fmaf(sc * da * pr[u], cj[d], row[d]);
     }
   }
@@ -565,7 +565,7 @@ __global__ void query_mass_backward_kernel(
   __syncthreads();
   for (int64_t e = tid; e < static_cast<int64_t>(m) * dk; e += kBlock) {
     const int64_t u = e / dk, d = e % dk;
-    float* row = dkr + static_cast<int64_t>(at[u]) * dk;
+    float* row = dkr + static_cast<int64_t>(pos[u]) * dk;
     row[d] -= d_mu[d] + 2.f * K[static_cast<int64_t>(sl[u]) * dk + d] * d_var[d];
   }
 }
