@@ -561,11 +561,48 @@ def _clustered(
     if dropout:
         return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)
     fused = getattr(backend, "clustered_heads", None)
-    # The fused op has no backward: a pass that records gradients composes the steps, each of which has one.
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if fused is not None and not records:
-        return fused(query, key, value, valid, planes, offsets, *settings)
-    return _composed(backend, query, key, value, valid, planes, offsets, *settings)
+    if not records:
+        if fused is not None:
+            return fused(query, key, value, valid, planes, offsets, *settings)
+        return _composed(backend, query, key, value, valid, planes, offsets, *settings)
+    if backend.name == "reference":  # the oracle: autograd through its functions
+        return _composed(backend, query, key, value, valid, planes, offsets, *settings)
+    return _StepsWithBackward.apply(query, key, value, valid, backend, planes, offsets, *settings)
+
+
+class _StepsWithBackward(torch.autograd.Function):
+    """A recording pass on a kernel backend: the steps as one autograd node, their backwards chained.
+
+    The forward is the inference forward, keeping its partition (assignments, centroids and the centroids'
+    attention: O(N + C * k) per head): the fused op's variant that returns it where the backend has one,
+    the composed steps elsewhere. The backward is ``ops.clustered_steps_backward``: autograd's gradient
+    through the composed ops, bit for bit in float32, without seven nodes' bookkeeping per call and with
+    each gradient summed in place.
+    """
+
+    @staticmethod
+    def forward(ctx, queries, keys, values, valid, backend, planes, offsets, *settings):
+        fused = getattr(backend, "clustered_heads_partition", None)
+        if fused is not None:
+            out, *kept = fused(queries, keys, values, valid, planes, offsets, *settings)
+        else:
+            p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
+            out = _refined(backend, queries, keys, values, valid, p, settings[3], settings[5])
+            kept = [p.assignments, p.centroids, p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values]
+        ctx.save_for_backward(queries, keys, values, valid, *kept)
+        ctx.mode, ctx.scaling = settings[3], settings[5]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
+
+        saved = ctx.saved_tensors
+        found = ops.clustered_steps_backward(grad_out, *saved, ctx.mode, ctx.scaling)
+        needed = ctx.needs_input_grad
+        grads = [grad.to(saved[i].dtype) if needed[i] else None for i, grad in enumerate(found)]
+        return (*grads, *([None] * (len(needed) - 3)))
 
 
 def step_arguments(
@@ -635,6 +672,11 @@ def _composed(backend, queries, keys, values, valid, planes, offsets, *settings)
     """The steps one by one on ``backend``, as the ``clustered_heads`` op runs them fused."""
     clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
+    return _refined(backend, queries, keys, values, valid, p, mode, scaling)
+
+
+def _refined(backend, queries, keys, values, valid, p: Partition, mode: str, scaling: float) -> torch.Tensor:
+    """The last step of ``mode``: each query's output from its cluster's row (and its top-k keys)."""
     if mode == "clustered":
         return backend.broadcast_clusters(p.centroid_values, p.assignments)
     if mode == "i-clustered+":
@@ -698,6 +740,34 @@ def composed_heads(
 
     settings = (clusters, topk, iterations, mode, lloyd_rounds, scaling)
     return _composed(dispatch.ReferenceBackend(), queries, keys, values, valid, planes, offsets, *settings)
+
+
+def composed_heads_partition(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    planes: torch.Tensor,
+    offsets: torch.Tensor,
+    clusters: int,
+    topk: int,
+    iterations: int,
+    mode: str,
+    lloyd_rounds: int,
+    scaling: float,
+) -> tuple[torch.Tensor, ...]:
+    """The reference of ``clustered_heads_partition``: ``composed_heads``' output and the partition it used.
+
+    Same arguments as ``clustered_heads``; ``(out, assignments, centroids, centroid_values, topk_indices,
+    topk_mass, topk_values)``.
+    """
+    from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
+
+    backend = dispatch.ReferenceBackend()
+    settings = (clusters, topk, iterations, mode, lloyd_rounds, scaling)
+    p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
+    out = _refined(backend, queries, keys, values, valid, p, mode, scaling)
+    return out, p.assignments, p.centroids, p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values
 
 
 # i-clustered+ (issue 13): i-clustered on a partition refined in the queries' own space, with

@@ -341,6 +341,35 @@ def clustered_heads(
     )
 
 
+@torch.library.register_fake(f"{NAMESPACE}::clustered_heads_partition")
+def _clustered_heads_partition_fake(
+    queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling
+):
+    rows, heads, length, dk = queries.shape
+    dv, k = values.shape[-1], 0 if mode == "clustered" else min(topk, length)
+    small = (rows, heads, clusters)
+    return (
+        _clustered_heads_fake(queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode,
+                              lloyd_rounds, scaling),
+        queries.new_empty((rows, heads, length), dtype=torch.long),
+        queries.new_empty((*small, dk), dtype=torch.float32),
+        queries.new_empty((*small, dv), dtype=torch.float32),
+        queries.new_empty((*small, k), dtype=torch.long),
+        queries.new_empty(small, dtype=torch.float32),
+        queries.new_empty((*small, dv), dtype=torch.float32),
+    )  # fmt: skip
+
+
+def clustered_heads_partition(*args) -> tuple[torch.Tensor, ...]:
+    """``clustered_heads`` and the partition it used (what a recording pass keeps for the backward).
+
+    ``(out, assignments, centroids, centroid_values, topk_indices, topk_mass, topk_values)``, the last six
+    as the separate steps give them (``attention.Partition``).
+    """
+    _ensure_loaded()
+    return _ops.clustered_heads_partition.default(*args)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Backward (issue 38): the gradient of each differentiable op is the gradient of its reference function
 # given the discrete choices its forward made (assignments, top-k indices), which carry none; steps.py says
@@ -459,6 +488,11 @@ def _centroid_attention_backward_fake(
     return torch.empty_like(centroids), torch.empty_like(keys), torch.empty_like(values)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::centroid_attention_backward_into")
+def _centroid_attention_backward_into_fake(grad_keys, grad_values, *rest):
+    return torch.empty_like(rest[3], dtype=torch.float32)
+
+
 @torch.library.register_fake(f"{NAMESPACE}::group_queries_backward")
 def _group_queries_backward_fake(grad_centroids, queries, assignments):
     return torch.empty_like(queries)
@@ -499,7 +533,7 @@ def _register_reference_backwards() -> None:
         return call
 
     for step in steps.STEPS:
-        if step.schema and step.name.endswith("_backward"):
+        if step.schema and "_backward" in step.name:
             torch.library.impl(
                 f"{NAMESPACE}::{step.name}",
                 "CompositeExplicitAutograd",
@@ -569,6 +603,27 @@ def centroid_attention_backward(
     )  # fmt: skip
 
 
+def centroid_attention_backward_into(
+    grad_keys: torch.Tensor,
+    grad_values: torch.Tensor,
+    grad_centroid_values: torch.Tensor,
+    grad_topk_mass: torch.Tensor,
+    grad_topk_values: torch.Tensor,
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """See ``reference.centroid_attention_backward_into``: adds into the first two, returns the centroids'."""
+    _ensure_loaded()
+    return _ops.centroid_attention_backward_into.default(
+        grad_keys, grad_values, grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys,
+        values, valid, topk_indices, float(scaling),
+    )  # fmt: skip
+
+
 def group_queries_backward(
     grad_centroids: torch.Tensor, queries: torch.Tensor, assignments: torch.Tensor
 ) -> torch.Tensor:
@@ -605,11 +660,21 @@ def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float().contiguous()
 
 
+def _wide_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, as the refinements' backward kernels read it.
+
+    The CPU kernels read rows through their strides: a float32 tensor in transformers' (B, L, H, D) memory
+    is not copied. The other devices' kernels take it contiguous.
+    """
+    tensor = tensor.float()
+    return tensor if tensor.device.type == "cpu" and tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def _topk_refine_gradient(
     grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
 ):
     found = topk_refine_backward(  # q, k, v read in their dtype and layout (no widened copies)
-        _wide(grads[0]),
+        _wide_rows(grads[0]),
         queries,
         keys,
         values,
@@ -637,10 +702,10 @@ def _refine_with_query_mass_gradient(
     scaling,
 ):
     found = refine_with_query_mass_backward(
-        _wide(grads[0]),
-        _wide(queries),
-        _wide(keys),
-        _wide(values),
+        _wide_rows(grads[0]),
+        _wide_rows(queries),
+        _wide_rows(keys),
+        _wide_rows(values),
         valid.contiguous(),
         assignments.contiguous(),
         _wide(centroids),
@@ -683,6 +748,72 @@ def _means_gradient(grad_centroids, queries, assignments):
 def _broadcast_gradient(grads, centroid_values, assignments):
     grad = grads[0].to(centroid_values.dtype)
     return [broadcast_clusters_backward(grad, centroid_values, assignments.contiguous()), None]
+
+
+def clustered_steps_backward(
+    grad_out: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    assignments: torch.Tensor,
+    centroids: torch.Tensor,
+    centroid_values: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_mass: torch.Tensor,
+    topk_values: torch.Tensor,
+    mode: str,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries', keys' and values' gradients (float32) of one clustered call, given its partition.
+
+    The backwards the steps' ops register, chained by hand in the order autograd would run them: the
+    refinement's (or the broadcast's), the centroid attention's (adding its key and value gradients into
+    the refinement's: no second N-row tensor per head at the backward's peak), the cluster means'. Each
+    sum has two terms, so the bits are autograd's through the composed ops in float32 (a + b = b + a);
+    in fp16/bf16 the parts are summed in float32 and rounded once (autograd rounds each part first).
+    """
+    g_centroids = None
+    if mode == "clustered":
+        g_vc = broadcast_clusters_backward(_wide(grad_out), centroid_values, assignments.contiguous())
+        g_mass = g_topv = None
+        dq = dk = dv = None
+    elif mode == "i-clustered+":
+        found = _refine_with_query_mass_gradient(
+            (grad_out,), queries, keys, values, valid, assignments, centroids, centroid_values,
+            topk_indices, topk_mass, topk_values, scaling,
+        )  # fmt: skip
+        dq, dk, dv, _, _, g_centroids, g_vc, _, g_mass, g_topv, _ = found
+    else:
+        found = _topk_refine_gradient(
+            (grad_out,), queries, keys, values, assignments, centroid_values, topk_indices, topk_mass,
+            topk_values, scaling,
+        )  # fmt: skip
+        dq, dk, dv, _, g_vc, _, g_mass, g_topv, _ = found
+    del grad_out
+    small = centroids.shape[:3]
+    if dk is None:  # mode clustered: the centroid attention's are the only key and value gradients
+        dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        dv = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    g_attention = centroid_attention_backward_into(
+        dk,
+        dv,
+        _wide(g_vc),
+        centroids.new_zeros(small, dtype=torch.float32) if g_mass is None else _wide(g_mass),
+        torch.zeros_like(g_vc, dtype=torch.float32) if g_topv is None else _wide(g_topv),
+        _wide(centroids),
+        keys,
+        values,
+        valid.contiguous(),
+        topk_indices.contiguous(),
+        float(scaling),
+    )
+    del g_vc, g_mass, g_topv
+    g_centroids = g_attention if g_centroids is None else g_centroids.add_(g_attention)
+    del g_attention
+    dq_means = _means_gradient(g_centroids, queries, assignments)
+    dq = dq_means if dq is None else dq.add_(dq_means)
+    return dq, dk, dv
 
 
 def _register_gradient(op: str, gradient, kept_outputs: tuple[int, ...] = ()) -> None:

@@ -753,6 +753,33 @@ def centroid_attention_backward(
     return tuple(_gradients(centroid_attention_with_topk, inputs, [0, 1, 2], grads))
 
 
+def centroid_attention_backward_into(
+    grad_keys: torch.Tensor,
+    grad_values: torch.Tensor,
+    grad_centroid_values: torch.Tensor,
+    grad_topk_mass: torch.Tensor,
+    grad_topk_values: torch.Tensor,
+    centroids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """``centroid_attention_backward``, its key and value gradients added into the first two (in place).
+
+    ``grad_keys`` and ``grad_values`` are float32; returns the centroids' gradient. A backward that sums
+    both parts of a key's gradient then needs no second N-row tensor per head.
+    """
+    found = centroid_attention_backward(
+        grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys, values, valid,
+        topk_indices, scaling,
+    )  # fmt: skip
+    grad_keys.add_(found[1])
+    grad_values.add_(found[2])
+    return found[0]
+
+
 def group_queries_backward(
     grad_centroids: torch.Tensor, queries: torch.Tensor, assignments: torch.Tensor
 ) -> torch.Tensor:

@@ -152,6 +152,16 @@ STEPS: tuple[Step, ...] = (
         BOTH,
         "reference.centroid_attention_backward",
     ),
+    # The same, adding the key and value gradients into the refinement's (one N-row tensor fewer per head
+    # at the backward's peak: ops.clustered_steps_backward).
+    Step(
+        "centroid_attention_backward_into",
+        "(Tensor(a!) grad_keys, Tensor(b!) grad_values, Tensor grad_centroid_values, Tensor grad_topk_mass, "
+        "Tensor grad_topk_values, Tensor centroids, Tensor keys, Tensor values, Tensor valid, "
+        "Tensor topk_indices, float scaling) -> Tensor",
+        BOTH,
+        "reference.centroid_attention_backward_into",
+    ),
     Step(
         "group_queries_backward",
         "(Tensor grad_centroids, Tensor queries, Tensor assignments) -> Tensor",
@@ -179,6 +189,17 @@ STEPS: tuple[Step, ...] = (
         "int clusters, int topk, int iterations, str mode, int lloyd_rounds, float scaling) -> Tensor",
         CPU,
         "attention.composed_heads",
+        fused=True,
+    ),
+    # The same call keeping its partition (the steps' results before the last), which a pass that records
+    # gradients saves for the backward (issue 38: attention._StepsWithBackward).
+    Step(
+        "clustered_heads_partition",
+        "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor planes, Tensor offsets, "
+        "int clusters, int topk, int iterations, str mode, int lloyd_rounds, float scaling) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        CPU,
+        "attention.composed_heads_partition",
         fused=True,
     ),
 )

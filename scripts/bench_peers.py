@@ -10,8 +10,10 @@ pooling, normalised), batch 1, on the CPU, with the same number of threads:
                      from the same weights and optimised by ``export_optimized_onnx_model`` at level O2:
                      the highest exact level (O3 adds the GELU approximation, O4 fp16, GPU-only)
   openvino           sentence-transformers ``backend="openvino"`` (optimum-intel), exported from the
-                     same weights, ``INFERENCE_PRECISION_HINT=f32`` (OpenVINO's CPU plugin otherwise
-                     runs bf16 on CPUs with bf16 instructions: not the exact fp32 path)
+                     same weights; ``--openvino-precision f32`` (the default) compiles it with
+                     ``INFERENCE_PRECISION_HINT=f32``, the exact fp32 path; ``default`` leaves the hint
+                     out, so the CPU plugin runs its own choice (bf16 on CPUs with bf16 instructions).
+                     The results file records which (``openvino_precision``)
 
 Models: ``minilm-l6-16k`` (all-MiniLM-L6-v2 with its positions copied to 16,384, built by
 ``../shared/models/build.py``; SQuAD articles joined and cut to the length), ``modernbert-base``
@@ -32,6 +34,7 @@ the unmodified fp32 torch one.
     python scripts/bench_peers.py                     # everything (over an hour on 2 busy cores)
     python scripts/bench_peers.py --quick             # smoke run: tiny-bert, 64 tokens, one document
     python scripts/bench_peers.py --models minilm-l6-16k --lengths 512 2048 --methods torch,onnx
+    python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --openvino-precision default
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ COSINE_TARGET = 0.98
 DEFAULT_OUTPUT = ROOT / "docs" / "results" / "peers" / "bench_peers.json"
 DEFAULT_WORK = ROOT / "results" / "peers"
 DEFAULT_PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+#: --openvino-precision -> INFERENCE_PRECISION_HINT (None: the hint is not set, the plugin chooses).
+OPENVINO_PRECISIONS: dict[str, str | None] = {"default": None, "f32": "f32"}
+#: What every run before the option used (and what a results file without ``openvino_precision`` ran).
+DEFAULT_OPENVINO_PRECISION = "f32"
 #: ModernBERT-base's size (as bench_long_context.py builds it).
 MODERNBERT_BASE = {
     "hidden_size": 768,
@@ -108,7 +115,24 @@ TINY_BERT = {
 # --------------------------------------------------------------------------------------------------
 
 
-def load_method(method: str, model_dir: Path, export_dir: Path, threads: int):
+def openvino_config(precision: str, threads: int) -> dict[str, str]:
+    """The ``ov_config`` OpenVINO compiles the model with: threads, latency, and the precision hint if any."""
+    if precision not in OPENVINO_PRECISIONS:
+        raise ValueError(f"unknown OpenVINO precision {precision!r}; known: {', '.join(OPENVINO_PRECISIONS)}")
+    config = {"INFERENCE_NUM_THREADS": str(threads), "PERFORMANCE_HINT": "LATENCY"}
+    hint = OPENVINO_PRECISIONS[precision]
+    if hint is not None:
+        config["INFERENCE_PRECISION_HINT"] = hint
+    return config
+
+
+def load_method(
+    method: str,
+    model_dir: Path,
+    export_dir: Path,
+    threads: int,
+    openvino_precision: str = DEFAULT_OPENVINO_PRECISION,
+):
     """The SentenceTransformer a method runs (converted, cast or exported as the method says)."""
     import torch
     from sentence_transformers import SentenceTransformer
@@ -133,11 +157,7 @@ def load_method(method: str, model_dir: Path, export_dir: Path, threads: int):
         kwargs = {"file_name": ONNX_FILE, "provider": "CPUExecutionProvider", "session_options": options}
         return SentenceTransformer(str(export_dir), device="cpu", backend="onnx", model_kwargs=kwargs)
     if method == "openvino":
-        ov_config = {
-            "INFERENCE_PRECISION_HINT": "f32",
-            "INFERENCE_NUM_THREADS": str(threads),
-            "PERFORMANCE_HINT": "LATENCY",
-        }
+        ov_config = openvino_config(openvino_precision, threads)
         return SentenceTransformer(
             str(export_dir), device="cpu", backend="openvino", model_kwargs={"ov_config": ov_config}
         )
@@ -200,7 +220,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     documents = [torch.tensor([ids]) for ids in json.loads(Path(job["inputs"]).read_text())]
     with_token_types = job["token_types"]
     loaded_at = memory_status()["VmRSS"]
-    model = load_method(job["method"], Path(job["model_dir"]), Path(job["export_dir"]), threads)
+    precision = job.get("openvino_precision", DEFAULT_OPENVINO_PRECISION)
+    model = load_method(job["method"], Path(job["model_dir"]), Path(job["export_dir"]), threads, precision)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         features = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -543,7 +564,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         methods = [m for m in METHODS if any(m in cells for cells in lengths.values())]
         lines.append(f"**{model}** — documents/s (min cosine to exact fp32)")
         lines.append("")
-        lines.append("| tokens | " + " | ".join(methods) + " |")
+        precision = report.get("openvino_precision", DEFAULT_OPENVINO_PRECISION)
+        names = [f"openvino ({precision})" if m == "openvino" else m for m in methods]
+        lines.append("| tokens | " + " | ".join(names) + " |")
         lines.append("|---:|" + "---:|" * len(methods))
         for length, cells in lengths.items():
             shown = []
@@ -628,8 +651,15 @@ def write_report(report: dict[str, Any], output: Path) -> None:
     plot(report["results"], output.with_suffix(".png"))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=None, help="comma-separated")
     parser.add_argument(
         "--methods", type=lambda s: s.split(","), default=list(METHODS), help="comma-separated"
@@ -644,6 +674,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-cap-gib", type=float, default=8.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per cell")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny-bert, one document, one repeat")
+    parser.add_argument(
+        "--openvino-precision",
+        choices=list(OPENVINO_PRECISIONS),
+        default=DEFAULT_OPENVINO_PRECISION,
+        help="f32: INFERENCE_PRECISION_HINT=f32 (exact fp32); default: OpenVINO's own (bf16 where the CPU "
+        "has it). Default: %(default)s",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -667,6 +704,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def measure_job(
+    args: argparse.Namespace, method: str, folder: Path, export_dir: Path, inputs: Path, token_types: bool
+) -> dict[str, Any]:
+    """The worker's job for one cell: what it loads, with which settings, on which inputs."""
+    return {
+        "mode": "measure",
+        "method": method,
+        "model_dir": str(folder),
+        "export_dir": str(export_dir),
+        "inputs": str(inputs),
+        "token_types": token_types,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "openvino_precision": args.openvino_precision,
+    }
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -709,6 +763,7 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "memory_cap_gib": args.memory_cap_gib,
         "onnx_level": ONNX_LEVEL,
+        "openvino_precision": args.openvino_precision,
         "load_average_before": load_average(),
         "versions": {
             env: run_capped(python[env], {"mode": "versions"}, cap, 120)
@@ -748,16 +803,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells[method] = {"error": f"export: {export['error']}"}
                 continue
             console.print(f"{model} {length:>6} {method:<18} load {os.getloadavg()[0]:.2f}")
-            job = {
-                "mode": "measure",
-                "method": method,
-                "model_dir": str(folder),
-                "export_dir": str(work / "exports" / model / method),
-                "inputs": str(inputs),
-                "token_types": token_types,
-                "threads": args.threads,
-                "repeats": args.repeats,
-            }
+            job = measure_job(args, method, folder, work / "exports" / model / method, inputs, token_types)
             raw = run_capped(python[METHODS[method]], job, cap, args.timeout)
             if method == REFERENCE and "embeddings" in raw:
                 reference = raw["embeddings"]

@@ -12,6 +12,12 @@ rewrites every marked region; `--check` rewrites nothing and exits 1, listing th
 committed table differs from its rendering (tests/test_render_results.py runs it), so a figure cannot
 drift from its measurement. docs/results/README.md's index of the kept files is rendered the same way.
 
+docs/benchmarks.md holds one current table set per CPU kind (`CPU_KINDS`), each headed by a rendered
+table of the machine its files recorded; the README's `summary-cpus` has one row per kind, from the same
+files. A table whose runs a later run of the same CPU kind replaced is *superseded*: it leaves the pages,
+its figures are quoted in CHANGELOG.md (which `--check` requires to name each of its files), and its files
+stay in the index, marked so, and must still render.
+
 Usage::
 
     python scripts/render_results.py            # rewrite the tables
@@ -51,6 +57,8 @@ class Table:
     documents: tuple[str, ...]  # paths from the repository root
     command: str
     render: Callable[[list[dict]], list[str]]  # the loaded sources, in order -> Markdown lines
+    #: The current table that replaced this one ("" while current): shown nowhere, quoted in CHANGELOG.md.
+    superseded_by: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,54 +172,6 @@ def attention_table(methods: Sequence[str], by_dtype: bool = True, with_settings
         align = ["r"] + (["l"] if by_dtype else []) + (["r"] if with_settings else [])
         align += ["r"] * (1 + len(methods))
         return table(header, align, rows) + ["", attention_caption(results)]
-
-    return render
-
-
-#: Issue 27's targets for one attention call, i-clustered and i-clustered+ alike, in fp32 and bf16.
-CALL_TARGETS = {128: 1.5, 512: 6.0, 4096: 40.0}
-
-
-def cpu_speed_table(cpus: Sequence[tuple[str, int]]):
-    """One row per (dtype, N), one column per CPU kind: i-clustered's and i-clustered+'s × SDPA, the lower
-    over that CPU's runs; ``cpus`` names each CPU kind and how many of the sources (in order) are its."""
-
-    def render(results: list[dict]) -> list[str]:
-        if sum(count for _, count in cpus) != len(results):
-            raise ValueError(f"cpu_speed_table: {len(results)} files for {cpus}")
-        by_cpu, start = [], 0
-        for name, count in cpus:
-            by_cpu.append((name, results[start : start + count]))
-            start += count
-        header = ["N", "dtype"] + [f"{name}: i-clustered / i-clustered+" for name, _ in by_cpu] + ["target"]
-        rows = []
-        for dtype in ("fp32", "bf16"):
-            for n in sorted(CALL_TARGETS):
-                row = [tokens(n), dtype]
-                for _, runs_of_cpu in by_cpu:
-                    mine = [r for r in runs_of_cpu if DTYPES[r["shape"]["dtype"]] == dtype]
-                    cells = []
-                    for method in ("kernel-i-clustered", "kernel-i-clustered+"):
-                        found = [attention_row(r, n, method) for r in mine]
-                        lowest = min((f["speedup_vs_sdpa"] for f in found if f), default=None)
-                        cells.append("–" if lowest is None else times(lowest))
-                    row.append(" / ".join(cells))
-                row.append(f"≥ {times(CALL_TARGETS[n])}")
-                rows.append(row)
-        isas = []
-        for name, runs_of_cpu in by_cpu:
-            first = runs_of_cpu[0]
-            dates = sorted({r["date"][:10] for r in runs_of_cpu})
-            isa = first["kernels"].get("kernels_cpu_isa", "?")
-            isas.append(
-                f"{name}: {first['machine'].get('processor', '?')}, kernels {isa}, "
-                f"{runs(len(runs_of_cpu))} of {', '.join(dates)}"
-            )
-        caption = (
-            "× torch's SDPA in the same run and dtype (the lower where a CPU has more runs per dtype); "
-            "2 threads, 1 row, 12 heads × 64, C = 25, k = 32. " + "; ".join(isas) + "."
-        )
-        return table(header, ["r", "l"] + ["r"] * (len(by_cpu) + 1), rows) + ["", caption]
 
     return render
 
@@ -510,9 +470,19 @@ def training_step_table(results: list[dict]) -> list[str]:
 PEER_METHODS = ("torch", "onnx", "openvino", "bert-cluster", "bert-cluster-bf16")
 
 
+#: OpenVINO's precision in a peers file that does not record it: bench_peers.py set INFERENCE_PRECISION_HINT
+#: to f32 before --openvino-precision existed (and still does by default).
+OPENVINO_PRECISION_BEFORE_THE_OPTION = "f32"
+
+
+def openvino_precision(report: dict) -> str:
+    return report.get("openvino_precision", OPENVINO_PRECISION_BEFORE_THE_OPTION)
+
+
 def peers_table(results: list[dict]) -> list[str]:
     """Documents/s per method (failed cells say so), bert-cluster over the fastest peer, cosines, memory."""
     report = results[0]
+    precision = openvino_precision(report)
     rows = []
     for model, lengths in report["results"].items():
         for length, cells in lengths.items():
@@ -538,7 +508,7 @@ def peers_table(results: list[dict]) -> list[str]:
     header = [
         "model",
         "tokens",
-        *PEER_METHODS,
+        *(f"openvino ({precision})" if m == "openvino" else m for m in PEER_METHODS),
         "bert-cluster vs fastest peer",
         "min cosine (fp32 / bf16)",
         "forward's peak MiB (same order)",
@@ -550,12 +520,39 @@ def peers_table(results: list[dict]) -> list[str]:
         f"{report['repeats']} repeats (median), one capped process per cell; {report['machine']['cpu']}, "
         "load average (1 min) "
         f"{loads[0][0]:.1f} before, {loads[1][0]:.1f} after; ONNX Runtime {versions.get('onnxruntime', '?')} "
-        f"(level {report['onnx_level']}), OpenVINO {versions.get('openvino', '?')} (f32); "
-        f"run of {report['machine']['date'][:10]}."
+        f"(level {report['onnx_level']}), OpenVINO {versions.get('openvino', '?')} "
+        f"({PRECISION_NOTES[precision]}); run of {report['machine']['date'][:10]}."
     )
-    return table(header, "lr" + "r" * (len(header) - 2), rows) + ["", caption + PEERS_CAPTION]
+    return table(header, "lr" + "r" * (len(header) - 2), rows) + [
+        "",
+        caption + PEERS_CAPTION + peers_verdicts(report),
+    ]
 
 
+def peers_verdicts(report: dict) -> str:
+    """Where bert-cluster (fp32) overtakes each peer on the proxy, and issue 26's targets, as measured."""
+    found = report.get("crossovers", {}).get("minilm-l6-16k", {}).get("bert-cluster", {})
+    parts = [
+        f"{peer} at {tokens(c['length'])} tokens" if c.get("length") else f"{peer}: {c['note']}"
+        for peer, c in found.items()
+    ]
+    targets = [
+        f"≥ {t['speedup_target']:g}× at {tokens(t['length'])}: "
+        + {True: "met", False: "missed", None: "not measured"}[t["met"]]
+        for t in report.get("targets", [])
+    ]
+    text = ""
+    if parts:
+        text += f" bert-cluster (fp32) overtakes on minilm-l6-16k: {'; '.join(parts)}."
+    if targets:
+        text += f" Issue 26's targets (the fastest peer, cosine ≥ 0.98): {'; '.join(targets)}."
+    return text
+
+
+PRECISION_NOTES = {
+    "f32": "f32: INFERENCE_PRECISION_HINT=f32, the exact path",
+    "default": "default: the CPU plugin's own precision, bf16 where the CPU has bf16 instructions",
+}
 PEERS_CAPTION = (
     " Forward's peak: the resident set one forward adds (VmHWM reset before it); a failed cell's error,"
     " and each process's own peak, are in the results file."
@@ -905,6 +902,180 @@ def boundary_table(data: list[dict]) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------------------------------------
+# One section per CPU kind: its machine, and the README's one row per kind
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """A CPU kind of docs/benchmarks.md: its name, and its current tables by part (None: not measured)."""
+
+    key: str  # the section's table, ``cpu-KEY``
+    name: str  # model and ISA, as the section's heading says them
+    attention: str | None = None  # bench_attention.py, one call, 1 row, C = 25, k = 32 (fp32 runs used)
+    long: str | None = None  # bench_long_context.py (timing files first)
+    peers: str | None = None  # bench_peers.py
+    training: str | None = None  # bench_training.py --parts step
+    others: tuple[str, ...] = ()  # its other current tables (machine table only)
+
+    def parts(self) -> dict[str, str]:
+        named = {"attention": self.attention, "long": self.long, "peers": self.peers}
+        named["training"] = self.training
+        return {part: name for part, name in named.items() if name}
+
+    def tables(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.parts().values(), *self.others)))
+
+
+def recorded(result: dict) -> dict:
+    """What a results file says about its machine, whichever script wrote it (None where it does not)."""
+    machine, environment = result.get("machine", {}), result.get("environment", {})
+    hardware = environment.get("hardware", {})
+    kernels = result.get("kernels", {})
+    return {
+        "date": (result.get("date") or environment.get("date") or machine.get("date") or "")[:10] or None,
+        "cpu": machine.get("processor") or machine.get("cpu") or hardware.get("cpu"),
+        "kernels": kernels.get("kernels_cpu_isa") or result.get("kernels_cpu_isa"),
+        "torch": result.get("torch_cpu_capability"),
+        "threads": machine.get("threads")
+        or result.get("threads")
+        or environment.get("threads")
+        or distinct([r.get("threads") for r in result.get("runs", []) if isinstance(r, dict)], None),
+        "cores": machine.get("cpu_count") or environment.get("cpu_count"),
+    }
+
+
+def distinct(values: Sequence, missing: str | None = "not recorded") -> str | None:
+    """The values' distinct texts, sorted and joined; ``missing`` where there is none."""
+    found = sorted({str(v) for v in values if v is not None})
+    return ", ".join(found) if found else missing
+
+
+def machine_table(tables: Sequence[tuple[str, int]]):
+    """One row per table of a CPU kind: its files' dates, CPU, kernel library, torch's ISA, threads, cores.
+
+    ``tables`` names each table and how many of the sources (in order) are its.
+    """
+
+    def render(results: list[dict]) -> list[str]:
+        if sum(count for _, count in tables) != len(results):
+            raise ValueError(f"machine_table: {len(results)} files for {tables}")
+        rows, start = [], 0
+        for name, count in tables:
+            found = [recorded(r) for r in results[start : start + count]]
+            start += count
+            rows.append(
+                [
+                    f"`{name}`",
+                    str(count),
+                    distinct(f["date"] for f in found),
+                    distinct(f["cpu"] for f in found),
+                    f"{distinct(f['kernels'] for f in found)} / {distinct(f['torch'] for f in found)}",
+                    f"{distinct(f['threads'] for f in found)} / {distinct(f['cores'] for f in found)}",
+                ]
+            )
+        header = ["table", "files", "dates", "CPU as recorded", "kernels / torch's ISA", "threads / cores"]
+        caption = (
+            "As each results file recorded its machine (`x86_64_v4`: the AVX-512 kernel library, "
+            '`x86_64_v3`: AVX2 + FMA); "not recorded": the script did not write it then.'
+        )
+        return table(header, "lrllll", rows) + ["", caption]
+
+    return render
+
+
+SUMMARY_LENGTHS = {"attention": (512, 4096), "long": (8192, 16384), "peers": (8192, 16384)}
+SUMMARY_LENGTHS["training"] = (4096, 16384)
+
+
+def lowest_call_ratio(results: list[dict], n: int) -> float | None:
+    """i-clustered's × SDPA at N in fp32, the lower over the runs."""
+    found = [
+        attention_row(r, n, "kernel-i-clustered")
+        for r in results
+        if DTYPES[r["shape"]["dtype"]] == "fp32" and not r["shape"]["mixed_lengths"]
+    ]
+    return min((f["speedup_vs_sdpa"] for f in found if f), default=None)
+
+
+def long_ratio(results: list[dict], n: int) -> float | None:
+    """The MiniLM-16k proxy's speedup over the unmodified model at n tokens in fp32 (timing runs)."""
+    for result in results:
+        for row in result["rows"]:
+            if (
+                row.get("model") == "minilm-l6-16k"
+                and row["length"] == n
+                and row.get("dtype", "fp32") == "fp32"
+                and "speedup" in row
+            ):
+                return row["speedup"]
+    return None
+
+
+def summary_cell(part: str, results: list[dict]) -> str:
+    first, second = SUMMARY_LENGTHS[part]
+    if part == "attention":
+        values = [lowest_call_ratio(results, n) for n in (first, second)]
+        suffix = ""
+    elif part == "long":
+        values = [long_ratio(results, n) for n in (first, second)]
+        suffix = ""
+    elif part == "peers":
+        (report,) = results
+        ratios = report["ratios"].get("minilm-l6-16k", {}).get("bert-cluster", {})
+        entries = [ratios.get(str(n), {}) for n in (first, second)]
+        values = [e.get("vs_fastest") for e in entries]
+        peers = joined(list(dict.fromkeys(e.get("fastest_peer", "–") for e in entries)))
+        suffix = f" ({peers}; OpenVINO {openvino_precision(report)})"
+    else:
+        (result,) = results
+        by_length = {r["length"]: r["speedup"] for r in result["step"]["rows"]}
+        values = [by_length.get(n) for n in (first, second)]
+        suffix = ""
+    if all(v is None for v in values):
+        return "–"
+    return joined(["–" if v is None else times(v) for v in values]) + suffix
+
+
+def summary_table(kinds: Sequence[CpuKind], counts: dict[str, int]):
+    """One row per CPU kind: its current tables' headline ratios (sources: each kind's parts, in order)."""
+
+    def render(results: list[dict]) -> list[str]:
+        rows, start = [], 0
+        for kind in kinds:
+            row, dates = [kind.name], []
+            for part in ("attention", "long", "peers", "training"):
+                name = kind.parts().get(part)
+                if name is None:
+                    row.append("–")
+                    continue
+                mine = results[start : start + counts[name]]
+                start += counts[name]
+                row.append(summary_cell(part, mine))
+                dates += [recorded(r)["date"] for r in mine]
+            row.append(distinct(dates))
+            rows.append(row)
+        if start != len(results):
+            raise ValueError(f"summary_table: {len(results)} files, {start} read")
+        header = [
+            "CPU",
+            "one call, i-clustered × SDPA, 512 / 4,096 tokens",
+            "whole model × unmodified, 8,192 / 16,384",
+            "× fastest peer, 8,192 / 16,384",
+            "training step × unmodified, 4,096 / 16,384",
+            "dates",
+        ]
+        caption = (
+            "fp32, 2 threads. One call: 1 row, 12 heads × 64, C = 25, k = 32, the lower of the runs; whole "
+            "model and peers: the MiniLM-16k proxy, one document at a time, `convert`'s defaults; training: "
+            "a step of that proxy with a classification head; –: not measured on that CPU. Each CPU's "
+            "tables, commands and machine: docs/benchmarks.md."
+        )
+        return table(header, "lrrrrl", rows) + ["", caption]
+
+    return render
+
+
 README = "README.md"
 BENCHMARKS = "docs/benchmarks.md"
 FIDELITY = "docs/fidelity.md"
@@ -918,7 +1089,7 @@ SQUAD_HALF = (
     "--data-dir ../shared/models/minilm-l6-squad/eval --runs MODE:C:SEED ... --output FILE"
 )
 
-#: The per-CPU files of the one-call speed tables, in the order cpu_speed_table reads them.
+#: The per-CPU files of the one-call speed tables (fp32 runs, then bf16).
 SPEED_FILES = {
     "Zen 5": (
         "bench_attention_zen5/targets_fp32_1.json",
@@ -938,19 +1109,8 @@ SPEED_FILES = {
         "bench_attention_zen3/targets_bf16_2.json",
     ),
 }
-TARGETS_COMMAND = (
-    f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked --no-memory --dtype fp32|bf16 --output FILE"
-)
 
-TABLES: tuple[Table, ...] = (
-    Table(
-        "speed-cpus",
-        tuple(path for paths in SPEED_FILES.values() for path in paths),
-        (README,),
-        f"{TARGETS_COMMAND} (--repeats 40, two runs each, on the Zen 5; "
-        "--repeats 20 on the others, two runs each on the Zen 3)",
-        cpu_speed_table([(name, len(paths)) for name, paths in SPEED_FILES.items()]),
-    ),
+MEASURED: tuple[Table, ...] = (
     Table(
         "speed-zen5",
         SPEED_FILES["Zen 5"],
@@ -1065,19 +1225,21 @@ TABLES: tuple[Table, ...] = (
     Table(
         "speed-xeon-bf16",
         ("bench_attention_bf16.json",),
-        (BENCHMARKS,),
+        (),
         f"{BENCH} --dtype bf16 --lengths 128 512 4096 {THREE} "
         "--order blocked --repeats 5 --no-memory --output FILE",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+        superseded_by="speed-xeon",
     ),
     Table(
         "speed-xeon-avx2",
         ("bench_attention_avx2/short_v3_after_1.json", "bench_attention_avx2/short_v3_after_2.json"),
-        (BENCHMARKS,),
+        (),
         "BERT_CLUSTER_CPU_ISA=x86_64_v3 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 "
         f"{BENCH} --lengths 128 512 --methods sdpa kernel-i-clustered kernel-i-clustered+ --order blocked "
         "--repeats 40 --no-memory --output FILE (two runs)",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+        superseded_by="speed-zen3",
     ),
     Table(
         "speed-xeon-avx2-growth",
@@ -1085,11 +1247,12 @@ TABLES: tuple[Table, ...] = (
             "bench_attention_avx2/plus_growth_v3_after_1.json",
             "bench_attention_avx2/plus_growth_v3_after_2.json",
         ),
-        (BENCHMARKS,),
+        (),
         "BERT_CLUSTER_CPU_ISA=x86_64_v3 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 "
         f"{BENCH} --growth --head-dim 32 --lengths 512 4096 8192 --methods sdpa kernel-i-clustered+ "
         "--order blocked --repeats 11 --no-memory --output FILE (two runs)",
         attention_table(["kernel-i-clustered+"], by_dtype=False, with_settings=True),
+        superseded_by="speed-zen3",
     ),
     Table(
         "long-documents",
@@ -1099,7 +1262,7 @@ TABLES: tuple[Table, ...] = (
             "long_context/long_minilm_memory.json",
             "long_context/long_random_8k_memory.json",
         ),
-        (README, BENCHMARKS),
+        (BENCHMARKS,),
         "python scripts/bench_long_context.py --models minilm-l6-16k --minilm-16k OUT/minilm-l6-16k "
         "--repeats 2 --documents 2; --models modernbert-base xlmr-large-8k --lengths 8192 --repeats 1 "
         "--no-memory; "
@@ -1107,9 +1270,9 @@ TABLES: tuple[Table, ...] = (
         long_context_table,
     ),
     Table(
-        "peers",
+        "peers-zen5",
         ("peers/bench_peers.json",),
-        (README,),
+        (BENCHMARKS,),
         "python scripts/bench_peers.py --documents 2 --repeats 2 --memory-cap-gib 10",
         peers_table,
     ),
@@ -1289,6 +1452,80 @@ TABLES: tuple[Table, ...] = (
     ),
 )
 
+#: docs/benchmarks.md's sections, in its order; the README's summary has a row per kind, in this order.
+CPU_KINDS: tuple[CpuKind, ...] = (
+    CpuKind(
+        "zen5",
+        "AMD EPYC Zen 5 (AVX-512)",
+        attention="speed-zen5",
+        peers="peers-zen5",
+        others=("speed-zen5-mixed", "speed-zen5-long", "model-zen5"),
+    ),
+    CpuKind(
+        "zen4",
+        "AMD EPYC Zen 4 (AVX-512)",
+        training="training-step-zen4",
+        others=("training-call-zen4", "boundary-zen4"),
+    ),
+    CpuKind(
+        "icelake",
+        "Intel Xeon Ice Lake (AVX-512, no BF16)",
+        attention="speed-icelake",
+        peers="peers-icelake",
+    ),
+    CpuKind(
+        "emerald",
+        "Intel Xeon Emerald Rapids (AVX-512 BF16, no AMX)",
+        attention="speed-emerald",
+        long="long-emerald",
+        others=("speed-emerald-mixed", "model-emerald-bf16"),
+    ),
+    CpuKind(
+        "zen3",
+        "AMD EPYC Zen 3 (AVX2)",
+        attention="speed-zen3",
+        long="long-zen3",
+        others=("speed-zen3-mixed", "linears-zen3"),
+    ),
+    CpuKind(
+        "xeon-amx",
+        "Intel Xeon with AMX, model not recorded (AVX-512)",
+        attention="speed-xeon",
+        long="long-documents",
+    ),
+)
+
+
+def derived_tables(measured: Sequence[Table], kinds: Sequence[CpuKind]) -> tuple[Table, ...]:
+    """Each CPU kind's machine table and the README's summary, from the kinds' current tables' files."""
+    by_name = {t.name: t for t in measured}
+    out = []
+    for kind in kinds:
+        mine = [by_name[name] for name in kind.tables()]
+        out.append(
+            Table(
+                f"cpu-{kind.key}",
+                tuple(source for t in mine for source in t.sources),
+                (BENCHMARKS,),
+                "(the files of the section's tables, as they recorded their machine)",
+                machine_table([(t.name, len(t.sources)) for t in mine]),
+            )
+        )
+    parts = [by_name[name] for kind in kinds for name in kind.parts().values()]
+    out.append(
+        Table(
+            "summary-cpus",
+            tuple(source for t in parts for source in t.sources),
+            (README,),
+            "(the files of each CPU kind's tables in docs/benchmarks.md)",
+            summary_table(kinds, {t.name: len(t.sources) for t in parts}),
+        )
+    )
+    return tuple(out)
+
+
+TABLES: tuple[Table, ...] = MEASURED + derived_tables(MEASURED, CPU_KINDS)
+
 #: Files kept under docs/results/ that no table renders: the pages show them as images or link them.
 EXTRA_FILES: dict[str, tuple[str, str]] = {
     "glue_scores.png": ("the plot of the fidelity-clusters GLUE run", FIDELITY),
@@ -1312,18 +1549,27 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "fidelity_glue25_default/scores.png": ("that run's plot", FIDELITY),
 }
 INDEX = f"{RESULTS}/README.md"
+CHANGELOG = "CHANGELOG.md"
 
 
 def index_table(_: list[dict]) -> list[str]:
-    """Every kept results file: which table renders it (and the command), or which page shows it."""
+    """Every kept results file: which table renders it (and the command), or which page shows it.
+
+    A superseded table's files are listed as such, cited by CHANGELOG.md, where their figures are quoted.
+    """
     rows = []
     for entry in TABLES:
-        pages = ", ".join(f"[{Path(d).name}](../../{d})" for d in entry.documents)
+        if entry.superseded_by:
+            pages = f"[{CHANGELOG}](../../{CHANGELOG})"
+            state = f"superseded by `{entry.superseded_by}`"
+        else:
+            pages = ", ".join(f"[{Path(d).name}](../../{d})" for d in entry.documents)
+            state = "current"
         files = "<br>".join(f"`{source}`" for source in entry.sources)
-        rows.append([files, f"`{entry.name}`", pages, f"`{entry.command}`"])
+        rows.append([files, f"`{entry.name}`", state, pages, f"`{entry.command}`"])
     for source, (what, page) in EXTRA_FILES.items():
-        rows.append([f"`{source}`", "", f"[{Path(page).name}](../../{page})", what])
-    return table(["files", "table", "cited by", "made by"], "llll", rows)
+        rows.append([f"`{source}`", "", "", f"[{Path(page).name}](../../{page})", what])
+    return table(["files", "table", "state", "cited by", "made by"], "lllll", rows)
 
 
 INDEX_TABLE = Table("results-index", (), (INDEX,), "", index_table)
@@ -1350,12 +1596,19 @@ def render_document(root: Path, document: str, entries: Sequence[Table]) -> tupl
     """(current text, rendered text, problems) for one document."""
     text = (root / document).read_text(encoding="utf-8")
     by_name = {e.name: e for e in entries}
+    superseded = {e.name: e.superseded_by for e in TABLES if e.superseded_by}
     problems = []
     found = set()
 
     def replace(match: re.Match) -> str:
         name = match["name"]
         found.add(name)
+        if name in superseded:
+            problems.append(
+                f"{document}: table {name!r} is superseded by {superseded[name]!r}: its region belongs in "
+                f"no page (quote its figures in {CHANGELOG})"
+            )
+            return match[0]
         if name not in by_name:
             problems.append(f"{document}: table {name!r} is not registered for this document")
             return match[0]
@@ -1366,13 +1619,41 @@ def render_document(root: Path, document: str, entries: Sequence[Table]) -> tupl
     return text, new, problems
 
 
+def superseded_problems(root: Path) -> list[str]:
+    """A superseded table names a current one, is on no page, is quoted in CHANGELOG.md and still renders."""
+    current = {e.name for e in TABLES if not e.superseded_by}
+    changelog = (root / CHANGELOG).read_text(encoding="utf-8")
+    problems = []
+    for entry in TABLES:
+        if not entry.superseded_by:
+            continue
+        if entry.superseded_by not in current:
+            problems.append(
+                f"table {entry.name!r}: superseded by {entry.superseded_by!r}, not a current table"
+            )
+        if entry.documents:
+            problems.append(
+                f"table {entry.name!r} is superseded yet registered for {', '.join(entry.documents)}"
+            )
+        problems += [
+            f"{CHANGELOG} does not quote superseded table {entry.name!r}'s file {RESULTS}/{source}"
+            for source in entry.sources
+            if f"{RESULTS}/{source}" not in changelog
+        ]
+        try:
+            entry.render(load(root, entry))
+        except (OSError, KeyError, ValueError, TypeError, IndexError) as error:
+            problems.append(f"table {entry.name!r} (superseded) no longer renders: {error!r}")
+    return problems
+
+
 def run(root: Path, check: bool) -> list[str]:
     """Render (or check) every document; returns the stale regions and other problems."""
     documents: dict[str, list[Table]] = {}
     for entry in (*TABLES, INDEX_TABLE):
         for document in entry.documents:
             documents.setdefault(document, []).append(entry)
-    problems = []
+    problems = superseded_problems(root)
     for document, entries in documents.items():
         text, new, found = render_document(root, document, entries)
         problems += found

@@ -105,6 +105,9 @@ def test_markdown_table_has_a_row_per_length_and_marks_failures():
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 512", "| 2,048", "| 8,192", "| 16,384"]
     assert "| 16,384 | 0.02 | 0.6 (0.970) | failed | 0.1 (0.990) |" in table
+    assert "| tokens | torch | bert-cluster | onnx | openvino (f32) |" in table  # f32 before the option
+    chosen = bench.markdown_table({"results": RESULTS, "openvino_precision": "default"})
+    assert "| tokens | torch | bert-cluster | onnx | openvino (default) |" in chosen
 
 
 @pytest.mark.parametrize(
@@ -124,6 +127,90 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
         bench.parse_args(argv)
     assert stopped.value.code == 2
     assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("value", ["bf16", "F32", ""])
+def test_a_bad_openvino_precision_exits_2_with_one_line(value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.parse_args(["--openvino-precision", value])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--openvino-precision" in line and repr(value) in line and "'default', 'f32'" in line
+
+
+def fake_sentence_transformer(monkeypatch) -> list[dict]:
+    """Replace sentence-transformers' class by one that records how load_method builds it."""
+    import sentence_transformers
+
+    built: list[dict] = []
+
+    def record(path, **kwargs):
+        built.append({"path": path, **kwargs})
+        return object()
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", record)
+    return built
+
+
+def test_the_openvino_precision_reaches_the_compile_config(tmp_path, monkeypatch):
+    built = fake_sentence_transformer(monkeypatch)
+    bench.load_method("openvino", tmp_path, tmp_path, 3, "f32")
+    bench.load_method("openvino", tmp_path, tmp_path, 3, "default")
+    forced, chosen = (b["model_kwargs"]["ov_config"] for b in built)
+    assert all(b["backend"] == "openvino" for b in built)
+    assert forced == {
+        "INFERENCE_PRECISION_HINT": "f32",
+        "INFERENCE_NUM_THREADS": "3",
+        "PERFORMANCE_HINT": "LATENCY",
+    }
+    assert chosen == {"INFERENCE_NUM_THREADS": "3", "PERFORMANCE_HINT": "LATENCY"}  # OpenVINO's own choice
+    with pytest.raises(ValueError, match="unknown OpenVINO precision 'bf16'; known: default, f32"):
+        bench.openvino_config("bf16", 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], "f32"), (["--openvino-precision", "default"], "default")]
+)
+def test_the_openvino_precision_goes_from_the_command_line_to_the_worker(
+    argv, expected, tmp_path, monkeypatch
+):
+    """parse_args -> the cell's job -> worker -> load_method, the option unchanged on the way."""
+    import torch
+
+    args = bench.parse_args(["--models", "tiny-bert", *argv])
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps([[101, 7, 102]]))
+    job = bench.measure_job(args, "openvino", tmp_path, tmp_path / "export", inputs, False)
+    job.update(threads=torch.get_num_threads(), repeats=1)  # the test process keeps its threads
+    loaded = []
+
+    class Model:
+        def forward(self, features):
+            return {"sentence_embedding": torch.ones(1, 4)}
+
+    def load(method, model_dir, export_dir, threads, openvino_precision="f32"):
+        loaded.append((method, openvino_precision))
+        return Model()
+
+    monkeypatch.setattr(bench, "load_method", load)
+    result = bench.worker(json.loads(json.dumps(job)))  # as the worker process receives it
+    assert loaded == [("openvino", expected)]
+    assert result["embeddings"] == [[1.0] * 4]
+
+
+def test_openvino_compiles_with_the_precision_asked(tmp_path):
+    """A tiny model through OpenVINO itself: f32 sets the compiled precision, default keeps the plugin's."""
+    ov = pytest.importorskip("openvino")
+    torch = pytest.importorskip("torch")
+    model = ov.convert_model(torch.nn.Linear(4, 4).eval(), example_input=torch.ones(1, 4))
+    core = ov.Core()
+    forced = core.compile_model(model, "CPU", bench.openvino_config("f32", 1))
+    assert forced.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    chosen = core.compile_model(model, "CPU", bench.openvino_config("default", 1))
+    assert chosen.get_property("INFERENCE_PRECISION_HINT") == core.get_property(
+        "CPU", "INFERENCE_PRECISION_HINT"
+    )
+    assert chosen.get_property("INFERENCE_NUM_THREADS") == 1
 
 
 def test_plan_keeps_lengths_a_model_can_take():
@@ -162,5 +249,6 @@ def test_quick_run_of_the_torch_methods_writes_the_report(tmp_path):
     assert cells["bert-cluster"]["docs_per_s"] > 0 and cells["bert-cluster"]["peak_rss_mib"] > 0
     assert report["command"].startswith("python scripts/bench_peers.py --quick")
     assert report["machine"]["cpu_count"] >= 1 and report["threads"] == 2
+    assert report["openvino_precision"] == "f32"  # the option's default, recorded
     assert output.with_suffix(".png").stat().st_size > 0
     assert "tiny-bert" in output.with_suffix(".md").read_text()

@@ -433,16 +433,18 @@ def test_the_refine_kernel_refuses_bad_arguments():
 
 def test_the_new_steps_are_kernels_on_both_backends():
     """lloyd_refine, refine_with_query_mass and their backward are compiled for the CPU and CUDA (issue 38:
-    kernels/cuda/plus.cu), so they are in ops.OPS, which every kernel backend must register; only the fused
-    op stays CPU only. (Before, CUDA ran the reference's tensor ops for them.)"""
+    kernels/cuda/plus.cu), as the band's backward and the in-place centroid attention backward, so they are
+    in ops.OPS, which every kernel backend must register; the fused ops stay CPU only. (Before, CUDA ran the
+    reference's tensor ops for them.)"""
     from bert_cluster import _loader, ops
 
-    assert set(ops.CPU_ONLY_OPS) == {"clustered_heads"}
+    assert set(ops.CPU_ONLY_OPS) == {"clustered_heads", "clustered_heads_partition"}
     for op in (
         "lloyd_refine",
         "refine_with_query_mass",
         "refine_with_query_mass_backward",
         "banded_attention_backward",
+        "centroid_attention_backward_into",
     ):
         assert op in ops.OPS
         assert getattr(dispatch.CudaKernelBackend, op).__module__ == dispatch.__name__

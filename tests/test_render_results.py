@@ -39,6 +39,7 @@ def test_the_committed_tables_equal_their_rendering():
 
 def copy_docs(tmp_path: Path) -> Path:
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copy(ROOT / "CHANGELOG.md", tmp_path / "CHANGELOG.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     return tmp_path
 
@@ -50,20 +51,20 @@ def test_a_changed_figure_makes_the_check_fail_and_rendering_fixes_it(tmp_path, 
     row = next(r for r in result["rows"] if r["n"] == 512 and r["method"] == "kernel-i-clustered")
     benchmarks = root / "docs/benchmarks.md"
     assert "0.84 / 0.87" in benchmarks.read_text(encoding="utf-8")
-    assert "| 512 | fp32 | 6.28× / 5.07× |" in (root / "README.md").read_text(encoding="utf-8")
+    assert "| AMD EPYC Zen 5 (AVX-512) | 6.28× / 41.3× |" in (root / "README.md").read_text(encoding="utf-8")
     row["median_ms"] = 0.91
-    row["speedup_vs_sdpa"] = 5.5  # below the other run's 6.28: the README shows the lower
+    row["speedup_vs_sdpa"] = 5.5  # below the other run's 6.28: the README's summary shows the lower
     source.write_text(json.dumps(result), encoding="utf-8")
 
     assert render_results.main(["--check", "--root", str(root)]) == 1
     stale = capsys.readouterr().err
-    assert "README.md: table 'speed-cpus' differs" in stale
+    assert "README.md: table 'summary-cpus' differs" in stale
     assert "docs/benchmarks.md: table 'speed-zen5' differs" in stale
     assert "long-documents" not in stale  # only the tables made from that file
 
     assert render_results.main(["--root", str(root)]) == 0  # rewrites the regions
     assert "0.91 / 0.87" in benchmarks.read_text(encoding="utf-8")
-    assert "| 512 | fp32 | 5.50× / 5.07× |" in (root / "README.md").read_text(encoding="utf-8")
+    assert "| AMD EPYC Zen 5 (AVX-512) | 5.50× / 41.3× |" in (root / "README.md").read_text(encoding="utf-8")
     assert render_results.main(["--check", "--root", str(root)]) == 0
 
 
@@ -81,13 +82,138 @@ def test_a_missing_or_unknown_region_is_reported(tmp_path):
     root = copy_docs(tmp_path)
     page = root / "docs/benchmarks.md"
     text = page.read_text(encoding="utf-8")
-    start = text.index("<!-- table: speed-xeon-bf16 -->")
+    start = text.index("<!-- table: speed-icelake -->")
     end = text.index("<!-- /table -->", start) + len("<!-- /table -->")
     unknown = "<!-- table: no-such-table -->\n<!-- /table -->"
     page.write_text(text[:start] + unknown + text[end:], encoding="utf-8")
     problems = render_results.run(root, check=True)
-    assert "docs/benchmarks.md: no region for table 'speed-xeon-bf16'" in problems
+    assert "docs/benchmarks.md: no region for table 'speed-icelake'" in problems
     assert "docs/benchmarks.md: table 'no-such-table' is not registered for this document" in problems
+
+
+SUPERSEDED = [t for t in render_results.TABLES if t.superseded_by]
+
+
+def test_superseded_tables_are_on_no_page_and_quoted_in_the_changelog():
+    assert SUPERSEDED, "the registry marks no table superseded"
+    shown = {m["name"] for page in PAGES for m in render_results.MARKER.finditer(page.read_text("utf-8"))}
+    current = {t.name for t in render_results.TABLES if not t.superseded_by}
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    for entry in SUPERSEDED:
+        assert entry.name not in shown and not entry.documents
+        assert entry.superseded_by in current
+        assert all(f"docs/results/{source}" in changelog for source in entry.sources)
+        index_row = next(r for r in render_results.index_table([]) if f"`{entry.name}`" in r)
+        assert f"superseded by `{entry.superseded_by}`" in index_row and "CHANGELOG.md" in index_row
+
+
+def test_a_superseded_table_back_on_a_page_or_missing_from_the_changelog_fails_the_check(tmp_path):
+    root = copy_docs(tmp_path)
+    entry = SUPERSEDED[0]
+    source = f"docs/results/{entry.sources[0]}"
+    changelog = root / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text(encoding="utf-8").replace(source, "a file"), encoding="utf-8")
+    page = root / "docs/benchmarks.md"
+    page.write_text(
+        page.read_text(encoding="utf-8") + f"\n<!-- table: {entry.name} -->\n<!-- /table -->\n",
+        encoding="utf-8",
+    )
+    problems = render_results.run(root, check=True)
+    assert f"CHANGELOG.md does not quote superseded table {entry.name!r}'s file {source}" in problems
+    assert any(p.startswith(f"docs/benchmarks.md: table {entry.name!r} is superseded by") for p in problems)
+    assert render_results.main(["--root", str(root)]) == 1  # rendering refuses it too, naming it
+
+
+def test_a_superseded_tables_files_must_still_render(tmp_path):
+    root = copy_docs(tmp_path)
+    entry = SUPERSEDED[0]
+    (root / "docs/results" / entry.sources[0]).write_text("{}", encoding="utf-8")
+    problems = render_results.run(root, check=True)
+    assert any(p.startswith(f"table {entry.name!r} (superseded) no longer renders") for p in problems)
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    """docs/benchmarks.md's regions by the CPU kind's section (``cpu-KEY`` region) they follow."""
+    found: dict[str, list[str]] = {}
+    kind = None
+    for match in render_results.MARKER.finditer(text):
+        if match["name"].startswith("cpu-"):
+            kind = match["name"].removeprefix("cpu-")
+            found[kind] = []
+        elif kind is not None:
+            found[kind].append(match["name"])
+    return found
+
+
+def test_each_cpu_kind_has_one_section_holding_its_current_tables():
+    text = (ROOT / "docs/benchmarks.md").read_text(encoding="utf-8")
+    found = sections(text)
+    kinds = render_results.CPU_KINDS
+    assert list(found) == [k.key for k in kinds]
+    for kind in kinds:
+        assert sorted(found[kind.key]) == sorted(kind.tables()), kind.key
+        assert f"\n## {kind.name}\n" in text  # headed by the CPU kind
+    on_the_page = {n for t in render_results.TABLES if "docs/benchmarks.md" in t.documents for n in [t.name]}
+    in_a_section = {n for names in found.values() for n in names} | {f"cpu-{k.key}" for k in kinds}
+    assert on_the_page == in_a_section  # no benchmark table outside a CPU's section
+
+
+def test_the_readme_summary_has_one_row_per_cpu_kind_from_its_files(tmp_path):
+    root = copy_docs(tmp_path)
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    start = readme.index("<!-- table: summary-cpus -->")
+    rows = [
+        line
+        for line in readme[start : readme.index("<!-- /table -->", start)].splitlines()
+        if line[:2] == "| "
+    ]
+    assert [cells(r)[0].strip() for r in rows[1:]] == [k.name for k in render_results.CPU_KINDS]
+    assert "| AMD EPYC Zen 3 (AVX2) | 3.14× / 22.7× | 3.37× / 5.91× | – | – |" in readme
+    source = root / "docs/results/long_context_zen3/long_fp32.json"
+    result = json.loads(source.read_text(encoding="utf-8"))
+    next(r for r in result["rows"] if r["length"] == 16384)["speedup"] = 6.5
+    source.write_text(json.dumps(result), encoding="utf-8")
+    assert render_results.main(["--root", str(root)]) == 0
+    assert "| AMD EPYC Zen 3 (AVX2) | 3.14× / 22.7× | 3.37× / 6.50× | – | – |" in (
+        root / "README.md"
+    ).read_text(encoding="utf-8")
+
+
+def test_the_machine_table_is_what_the_files_recorded(tmp_path):
+    root = copy_docs(tmp_path)
+    source = root / "docs/results/bench_attention_zen3/targets_fp32_2.json"
+    result = json.loads(source.read_text(encoding="utf-8"))
+    result["date"] = "2027-01-02T00:00:00+00:00"
+    result["machine"]["processor"] = "AMD EPYC 7B13"
+    source.write_text(json.dumps(result), encoding="utf-8")
+    assert render_results.main(["--root", str(root)]) == 0
+    text = (root / "docs/benchmarks.md").read_text(encoding="utf-8")
+    start = text.index("<!-- table: cpu-zen3 -->")
+    region = text[start : text.index("<!-- /table -->", start)]
+    assert (
+        "| `speed-zen3` | 4 | 2026-12-03, 2027-01-02 | AMD EPYC, AMD EPYC 7B13 | x86_64_v3 / AVX2 |" in region
+    )
+    assert "| `long-zen3` | 2 | 2026-12-03 | not recorded |" in region  # bench_long_context records no CPU
+
+
+@pytest.mark.parametrize(("recorded", "shown"), [(None, "f32"), ("default", "default"), ("f32", "f32")])
+def test_the_peers_tables_name_openvinos_precision(recorded, shown, tmp_path):
+    """A file from before --openvino-precision ran f32 (the script's fixed hint then) and says so."""
+    root = copy_docs(tmp_path)
+    source = root / "docs/results/peers_icelake/bench_peers.json"
+    report = json.loads(source.read_text(encoding="utf-8"))
+    assert "openvino_precision" not in report  # the committed runs predate the option
+    if recorded is not None:
+        report["openvino_precision"] = recorded
+    source.write_text(json.dumps(report), encoding="utf-8")
+    assert render_results.main(["--root", str(root)]) == 0
+    text = (root / "docs/benchmarks.md").read_text(encoding="utf-8")
+    start = text.index("<!-- table: peers-icelake -->")
+    region = text[start : text.index("<!-- /table -->", start)]
+    assert f"| openvino ({shown}) |" in region
+    assert f"OpenVINO 2026.4.1 ({shown}: " in region
+    summary = (root / "README.md").read_text(encoding="utf-8")
+    assert f"4.22× / 6.89× (torch; OpenVINO {shown})" in summary
 
 
 def regions(text: str) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ WHOLE_CALL_OPS = {"clustered_attention", "clustered_attention_backward"}
 
 def schema_arguments(schema: str) -> list[str]:
     """The argument names of a schema such as ``(Tensor queries, int clusters) -> Tensor``."""
+    schema = re.sub(r"Tensor\([a-z]!?\)", "Tensor", schema)  # alias annotations: Tensor(a!) out
     inside = schema[schema.index("(") + 1 : schema.index(")")]
     return [re.split(r"\s+", part.strip())[-1] for part in inside.split(",")]
 

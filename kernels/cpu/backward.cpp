@@ -4,8 +4,9 @@
 //
 // Deterministic: one thread owns one (row, head), and every sum runs in a fixed order inside it (queries in
 // index order, slots in top-k order), so the same inputs give the same gradient bits at any thread count.
-// Inputs are float32 and contiguous (ops.py widens fp16/bf16 once: the gradients of those are rounded to
-// their dtype at the end, as autograd through the reference does). Nothing N x N is formed: per head the
+// Inputs are float32 (ops.py widens fp16/bf16 once: the gradients of those are rounded to their dtype at
+// the end, as autograd through the reference does); the output gradient, queries, keys and values are read
+// through their row strides (transformers' layouts, no contiguous copy), the rest contiguous. Nothing N x N is formed: per head the
 // scratch is O(k + C * D).
 #include <algorithm>
 #include <cmath>
@@ -37,6 +38,12 @@ void check_float_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous in the backward");
 }
 
+// A float32 (R, H, N, D) tensor read row by row through its strides (the output gradient as transformers
+// gives it, the queries, keys and values as the attention's projections do): no contiguous copy.
+void check_float_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32 in the backward, got ", t.scalar_type());
+}
+
 // Shapes shared by both backward ops.
 struct Shape {
   int64_t rows, heads, n, dk, dv, clusters, k;
@@ -47,8 +54,8 @@ Shape check_backward_args(const at::Tensor& grad_out, const at::Tensor& queries,
                           const at::Tensor& topk_mass) {
   check_dim(grad_out, 4, "grad_out", "(R, H, N, Dv)");
   check_qkv(queries, keys, values);
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&topk_mass, "topk_mass"}})
-    check_float_contiguous(*t, name);
+  check_float_rows(grad_out, "grad_out");
+  check_float_contiguous(topk_mass, "topk_mass");
   check_dtype(assignments, at::kLong, "assignments");
   check_dtype(topk_indices, at::kLong, "topk_indices");
   TORCH_CHECK_VALUE(assignments.is_contiguous() && topk_indices.is_contiguous(),
@@ -226,7 +233,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dvalues = zeros_tensor({s.rows, s.heads, s.n, s.dv}, options);
   at::Tensor dcentroid = zeros_tensor({s.rows, s.heads, s.clusters, s.dv}, options);
   at::Tensor dmass = zeros_tensor({s.rows, s.heads, s.clusters}, options);
-  const float* g = grad_out.data_ptr<float>();
+  const at::Tensor go = last_dim_contiguous(grad_out);
+  const Rows gr = Rows::of(go);
   const at::Tensor q = last_dim_contiguous(queries), kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const Rows qr = Rows::of(q), kr = Rows::of(kk), vr = Rows::of(vv);
   const InputType type = input_type(q);
@@ -263,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                      const float mass = mp[head * s.clusters + c];
                      for (int64_t o = start[c]; o < start[c + 1]; ++o) {
                        const int64_t i = order[o];
-                       const float* gi = g + vo + i * s.dv;
+                       const float* gi = gr.at<float>(r, h, i);
                        switch (type) {
                          case InputType::kFloat32:
                            std::copy_n(qh.at<float>(i), s.dk, qrow.data());
@@ -301,7 +309,7 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& topk_values, double scaling) {
   const Shape s = check_backward_args(grad_out, queries, keys, values, assignments, topk_indices, topk_mass);
   for (auto [t, name] : {std::pair{&queries, "queries"}, {&keys, "keys"}, {&values, "values"}})
-    check_float_contiguous(*t, name);
+    check_float_rows(*t, name);
   check_float_contiguous(centroids, "centroids");
   check_float_contiguous(centroid_values, "centroid_values");
   check_float_contiguous(topk_values, "topk_values");
@@ -316,10 +324,9 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
   at::Tensor dcv = zeros_tensor({s.rows, s.heads, s.clusters, s.dv}, options);
   at::Tensor dmass = zeros_tensor({s.rows, s.heads, s.clusters}, options);
   at::Tensor dtopv = zeros_tensor({s.rows, s.heads, s.clusters, s.dv}, options);
-  const float* g = grad_out.data_ptr<float>();
-  const float* qp = queries.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
+  const at::Tensor go = last_dim_contiguous(grad_out), qq = last_dim_contiguous(queries);
+  const at::Tensor kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
+  const Rows gr = Rows::of(go), qr = Rows::of(qq), kr = Rows::of(kk), vr = Rows::of(vv);
   const bool* validp = valid.data_ptr<bool>();
   const int64_t* ap = assignments.data_ptr<int64_t>();
   const float* cp = centroids.data_ptr<float>();
@@ -342,10 +349,12 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                  std::vector<float> sum_k(dk), sum_k2(dk), e(dv), cscore(k);
                  std::vector<char> no_rest(C);
                  for (int64_t head = begin; head < end; ++head) {
-                   const int64_t r = head / s.heads;
+                   const int64_t r = head / s.heads, h = head % s.heads;
                    const int64_t qo = head * n * dk, vo = head * n * dv;
-                   const float* K = kp + qo;
-                   const float* V = vp + vo;
+                   // Key and value rows through their strides (ks, vs floats apart).
+                   const float* K = kr.at<float>(r, h);
+                   const float* V = vr.at<float>(r, h);
+                   const int64_t ks = kr.s2, vs = vr.s2;
                    const bool* ok = validp + r * n;
                    float* dK = dkeys.data_ptr<float>() + qo;
                    float* dV = dvalues.data_ptr<float>() + vo;
@@ -356,8 +365,8 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                      if (!ok[l]) continue;
                      ++n_valid;
                      for (int64_t d = 0; d < dk; ++d) {
-                       sum_k[d] += K[l * dk + d];
-                       sum_k2[d] += K[l * dk + d] * K[l * dk + d];
+                       sum_k[d] += K[l * ks + d];
+                       sum_k2[d] += K[l * ks + d] * K[l * ks + d];
                      }
                    }
                    // The cluster-level forward quantities.
@@ -370,7 +379,7 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                      for (int64_t d = 0; d < dk; ++d) {
                        float t1 = 0.f, t2 = 0.f;
                        for (int64_t u = 0; u < used[c]; ++u) {
-                         const float x = K[sl[u] * dk + d];
+                         const float x = K[sl[u] * ks + d];
                          t1 += x;
                          t2 += x * x;
                        }
@@ -388,7 +397,7 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                                                    : (cvp[(head * C + c) * dv + d] - tvp[(head * C + c) * dv + d]) /
                                                          (safe ? rest[c] : 1.f);
                      const float* cj = cp + (head * C + c) * dk;
-                     for (int64_t u = 0; u < used[c]; ++u) cscore[u] = sc * dot(cj, K + sl[u] * dk, dk);
+                     for (int64_t u = 0; u < used[c]; ++u) cscore[u] = sc * dot(cj, K + sl[u] * ks, dk);
                      float lzc = -inf;
                      if (used[c] > 0) {
                        float top_score = cscore[0];
@@ -414,11 +423,11 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                      const int64_t i = order[at];
                      const int64_t c = ap[head * n + i];
                      if (at == start[c])
-                       top.prepare<float>(HeadRows{reinterpret_cast<const char*>(K), dk * 4},
-                                          HeadRows{reinterpret_cast<const char*>(V), dv * 4}, &slots[c * k], used[c],
+                       top.prepare<float>(HeadRows{reinterpret_cast<const char*>(K), ks * 4},
+                                          HeadRows{reinterpret_cast<const char*>(V), vs * 4}, &slots[c * k], used[c],
                                           dk, dv);
-                     const float* gi = g + vo + i * dv;
-                     const float* qi = qp + qo + i * dk;
+                     const float* gi = gr.at<float>(r, h, i);
+                     const float* qi = qr.at<float>(r, h, i);
                      float* dqi = dq.data_ptr<float>() + qo + i * dk;
                      const float lzq = top.forward(qi, sc, e.data());
                      float qrest = 0.f;
@@ -473,10 +482,10 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                      if (rest[c] > 0.f) dm_all[c] -= da / rest[c];
                      if (mass > tiny) dm_all[c] -= da / mass;
                      // lzc_j: softmax over the slots of the centroid's scores
-                     for (int64_t u = 0; u < used[c]; ++u) cscore[u] = sc * dot(cj, K + sl[u] * dk, dk);
+                     for (int64_t u = 0; u < used[c]; ++u) cscore[u] = sc * dot(cj, K + sl[u] * ks, dk);
                      softmax_inplace(cscore.data(), used[c]);
                      for (int64_t u = 0; u < used[c]; ++u) {
-                       axpy(sc * da * cscore[u], K + sl[u] * dk, dcj, dk);
+                       axpy(sc * da * cscore[u], K + sl[u] * ks, dcj, dk);
                        axpy(sc * da * cscore[u], cj, dK + sl[u] * dk, dk);
                      }
                      // -crest_j
@@ -497,13 +506,13 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                        sum_k2[d] += g2;
                        for (int64_t u = 0; u < used[c]; ++u) {
                          const int64_t l = sl[u];
-                         dK[l * dk + d] -= g1 + 2.f * K[l * dk + d] * g2;
+                         dK[l * dk + d] -= g1 + 2.f * K[l * ks + d] * g2;
                        }
                      }
                    }
                    for (int64_t l = 0; l < n; ++l) {
                      if (!ok[l]) continue;
-                     for (int64_t d = 0; d < dk; ++d) dK[l * dk + d] += sum_k[d] + 2.f * K[l * dk + d] * sum_k2[d];
+                     for (int64_t d = 0; d < dk; ++d) dK[l * dk + d] += sum_k[d] + 2.f * K[l * ks + d] * sum_k2[d];
                    }
                  }
                });

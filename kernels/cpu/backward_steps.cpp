@@ -66,6 +66,9 @@ struct CentroidBackwardJob {
   float scaling;
   float* dcent;  // (R, H, C, Dk), zeroed
   void *dkeys, *dvalues;  // (R, H, N, Dk), (R, H, N, Dv) in the keys' dtype, every row written
+  // Or, where set, float32 (R, H, N, Dk) and (R, H, N, Dv) gradients the key and value gradients are added
+  // into (centroid_attention_backward_into; dkeys and dvalues unused).
+  float *add_dkeys = nullptr, *add_dvalues = nullptr;
 };
 
 template <typename T>
@@ -82,8 +85,11 @@ void centroid_backward_head(const CentroidBackwardJob& job, int64_t head, Centro
   const float* gtv = job.grad_tv + head * C * dv;
   const int64_t* idx = job.indices + head * C * k;
   float* dcent = job.dcent + head * C * dk;
-  T* dK = static_cast<T*>(job.dkeys) + head * n * dk;
-  T* dV = static_cast<T*>(job.dvalues) + head * n * dv;
+  const bool adds = job.add_dkeys != nullptr;
+  T* dK = adds ? nullptr : static_cast<T*>(job.dkeys) + head * n * dk;
+  T* dV = adds ? nullptr : static_cast<T*>(job.dvalues) + head * n * dv;
+  float* addK = adds ? job.add_dkeys + head * n * dk : nullptr;
+  float* addV = adds ? job.add_dvalues + head * n * dv : nullptr;
 
   s.keys.clear();
   s.position.assign(n, -1);
@@ -91,7 +97,7 @@ void centroid_backward_head(const CentroidBackwardJob& job, int64_t head, Centro
     if (ok[l]) {
       s.position[l] = static_cast<int64_t>(s.keys.size());
       s.keys.push_back(l);
-    } else {
+    } else if (!adds) {  // a padded key's gradient is 0 (added: nothing to add)
       std::fill(dK + l * dk, dK + (l + 1) * dk, T(0.f));
       std::fill(dV + l * dv, dV + (l + 1) * dv, T(0.f));
     }
@@ -212,14 +218,22 @@ void centroid_backward_head(const CentroidBackwardJob& job, int64_t head, Centro
       axpy(acc, cent + c * dk, s.ds[c], dk);
       axpy(dcent + c * dk, s.krow.data(), s.ds[c], dk);
     }
-    store_row(dK + l * dk, acc, dk);
+    if (adds) {
+      for (int64_t d = 0; d < dk; ++d) addK[l * dk + d] += acc[d];
+    } else {
+      store_row(dK + l * dk, acc, dk);
+    }
     std::fill(acc, acc + dv, 0.f);
     for (int64_t c = 0; c < C; ++c) axpy(acc, gvc + c * dv, pj[c], dv);
     for (int64_t e = s.member_start[j]; e < s.member_start[j + 1]; ++e) {
       const int64_t c = s.members[e];
       axpy(acc, gtv + c * dv, pj[c], dv);
     }
-    store_row(dV + l * dv, acc, dv);
+    if (adds) {
+      for (int64_t d = 0; d < dv; ++d) addV[l * dv + d] += acc[d];
+    } else {
+      store_row(dV + l * dv, acc, dv);
+    }
   }
 }
 
@@ -407,10 +421,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
   return {dq, dkeys, dvalues};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
+namespace {
+
+// centroid_attention_backward, its key and value gradients returned (adding == nullptr) or added into
+// the float32 tensors adding points to (grad_keys, grad_values).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_backward(
     const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
     const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
-    const at::Tensor& topk_indices, double scaling) {
+    const at::Tensor& topk_indices, double scaling, const std::pair<at::Tensor, at::Tensor>* adding) {
   check_dim(centroids, 4, "centroids", "(R, H, C, Dk)");
   check_dim(keys, 4, "keys", "(R, H, N, Dk)");
   check_dim(values, 4, "values", "(R, H, N, Dv)");
@@ -445,16 +463,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
   const at::Tensor kk = last_dim_contiguous(keys), vv = last_dim_contiguous(values);
   const at::Tensor ok = valid.contiguous(), ti = topk_indices.contiguous();
   at::Tensor dcent = zeros_tensor({rows, heads, clusters, dk}, cen.options());
-  if (clusters == 0)
+  if (adding != nullptr) {
+    for (auto [t, name, d] : {std::tuple{&adding->first, "grad_keys", dk}, {&adding->second, "grad_values", dv}}) {
+      TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
+      TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
+      TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == rows && t->size(1) == heads && t->size(2) == n && t->size(3) == d,
+                        name, " must be (R, H, N, D) as the keys and values, got ", t->sizes());
+    }
+    if (clusters == 0 || rows * heads * n == 0) return {dcent, adding->first, adding->second};
+  } else if (clusters == 0) {
     return {dcent, zeros_tensor(keys.sizes(), keys.options()), zeros_tensor(values.sizes(), values.options())};
-  at::Tensor dkeys = empty_tensor({rows, heads, n, dk}, keys.options());  // every row is written
-  at::Tensor dvalues = empty_tensor({rows, heads, n, dv}, values.options());
+  }
+  // Every row is written (padded ones with 0), or added to.
+  at::Tensor dkeys = adding ? adding->first : empty_tensor({rows, heads, n, dk}, keys.options());
+  at::Tensor dvalues = adding ? adding->second : empty_tensor({rows, heads, n, dv}, values.options());
   if (rows * heads * n == 0) return {dcent, dkeys, dvalues};
   CentroidBackwardJob job{cen.data_ptr<float>(), gcv.data_ptr<float>(), gm.data_ptr<float>(), gtv.data_ptr<float>(),
                           Rows::of(kk),          Rows::of(vv),          ok.data_ptr<bool>(),  ti.data_ptr<int64_t>(),
                           heads,                 n,                     clusters,             dk,
                           dv,                    ti.size(3),            static_cast<float>(scaling),
                           dcent.data_ptr<float>(), dkeys.data_ptr(),    dvalues.data_ptr()};
+  if (adding != nullptr) {
+    job.add_dkeys = dkeys.data_ptr<float>();
+    job.add_dvalues = dvalues.data_ptr<float>();
+  }
   const InputType type = input_type(kk);
   const int64_t cp = (clusters + kGroup - 1) / kGroup * kGroup;
   parallel_for(0, rows * heads, grain_for(n * (cp * (dk + dv) / 16 + clusters * (2 * dk + dv))),
@@ -475,6 +507,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
                  }
                });
   return {dcent, dkeys, dvalues};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
+    const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+    const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+    const at::Tensor& topk_indices, double scaling) {
+  return centroid_backward(grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys, values, valid,
+                           topk_indices, scaling, nullptr);
+}
+
+at::Tensor centroid_attention_backward_into_cpu(at::Tensor& grad_keys, at::Tensor& grad_values,
+                                                const at::Tensor& grad_centroid_values,
+                                                const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+                                                const at::Tensor& centroids, const at::Tensor& keys,
+                                                const at::Tensor& values, const at::Tensor& valid,
+                                                const at::Tensor& topk_indices, double scaling) {
+  const std::pair<at::Tensor, at::Tensor> adding{grad_keys, grad_values};
+  return std::get<0>(centroid_backward(grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys,
+                                       values, valid, topk_indices, scaling, &adding));
 }
 
 at::Tensor group_queries_backward_cpu(const at::Tensor& grad_centroids, const at::Tensor& queries,

@@ -28,6 +28,12 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                                int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
                                int64_t lloyd_rounds, double scaling);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+clustered_heads_partition_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                              const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
+                              int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
+                              int64_t lloyd_rounds, double scaling);
+
 at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                                       const at::Tensor& valid, const at::Tensor& assignments,
                                       const at::Tensor& centroids, const at::Tensor& centroid_values,
@@ -63,6 +69,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cpu(
     const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
     const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
     const at::Tensor& topk_indices, double scaling);
+
+// centroid_attention_backward with its key and value gradients added into grad_keys and grad_values (float32,
+// contiguous, in place): returns the centroids' gradient.
+at::Tensor centroid_attention_backward_into_cpu(at::Tensor& grad_keys, at::Tensor& grad_values,
+                                                const at::Tensor& grad_centroid_values,
+                                                const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+                                                const at::Tensor& centroids, const at::Tensor& keys,
+                                                const at::Tensor& values, const at::Tensor& valid,
+                                                const at::Tensor& topk_indices, double scaling);
 
 at::Tensor group_queries_backward_cpu(const at::Tensor& grad_centroids, const at::Tensor& queries,
                                       const at::Tensor& assignments);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -58,10 +59,17 @@ Mode parse_mode(c10::string_view name) {
 
 }  // namespace
 
-at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                               const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
-                               int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
-                               int64_t lloyd_rounds, double scaling) {
+namespace {
+
+// A call's output and its partition: what clustered_heads_partition returns (the partition is every step's
+// result before the last: (R, H, N) assignments, then centroids, centroid values, top-k indices, mass and
+// values, as the separate ops give them), kept by a pass that records gradients for its backward.
+using HeadsAndPartition = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+HeadsAndPartition run_clustered_heads(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                                      const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
+                                      int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
+                                      int64_t lloyd_rounds, double scaling) {
   const Mode mode = parse_mode(mode_name);
   check_qkv(queries, keys, values);
   check_hash_args(queries, planes, offsets);
@@ -101,7 +109,11 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
   // written so it needs no transposing copy (at 4,096 tokens x 12 heads x 64 that copy took 3.7 ms of 18).
   at::Tensor out = empty_tensor({rows, n, heads, dv}, f32).transpose(1, 2);
   const OutRows out_rows = OutRows::of(out);
-  if (out.numel() == 0 || n == 0) return out.zero_();
+  if (out.numel() == 0 || n == 0) {
+    return {out.zero_(), zeros_tensor({rows, heads, n}, i64), zeros_tensor({rows, heads, clusters, dk}, f32),
+            zeros_tensor({rows, heads, clusters, dv}, f32), zeros_tensor({rows, heads, clusters, k}, i64),
+            zeros_tensor({rows, heads, clusters}, f32), zeros_tensor({rows, heads, clusters, dv}, f32)};
+  }
   const PaddedPlanes padded = padded_planes(planes, offsets, dk);
   at::Tensor hashes = empty_tensor({rows, heads, n}, i64);
   at::Tensor assign = empty_tensor({rows, heads, n}, i64);
@@ -206,7 +218,7 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                      finish(head, rh, rh + 1);
                    }
                  });
-    return out;
+    return {out, assign, centroids, centroid_values, indices, mass, top_values};
   }
   // Few or large (row, head)s: each step parallel on its own, with the grains of the separate ops.
   parallel_for(0, rh_count * n, grain_for(std::max<int64_t>(dk, 1) * vectors * 16),
@@ -239,7 +251,26 @@ at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys
                    finish(jobs.reading(widened(q, rh, dk, wq), widened(kk, rh, dk, wk), widened(vv, rh, dv, wv)),
                           rh, rh + 1);
                });
-  return out;
+  return {out, assign, centroids, centroid_values, indices, mass, top_values};
+}
+
+}  // namespace
+
+at::Tensor clustered_heads_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+                               const at::Tensor& valid, const at::Tensor& planes, const at::Tensor& offsets,
+                               int64_t clusters, int64_t topk, int64_t iterations, c10::string_view mode_name,
+                               int64_t lloyd_rounds, double scaling) {
+  return std::get<0>(run_clustered_heads(queries, keys, values, valid, planes, offsets, clusters, topk, iterations,
+                                         mode_name, lloyd_rounds, scaling));
+}
+
+HeadsAndPartition clustered_heads_partition_cpu(const at::Tensor& queries, const at::Tensor& keys,
+                                                const at::Tensor& values, const at::Tensor& valid,
+                                                const at::Tensor& planes, const at::Tensor& offsets, int64_t clusters,
+                                                int64_t topk, int64_t iterations, c10::string_view mode_name,
+                                                int64_t lloyd_rounds, double scaling) {
+  return run_clustered_heads(queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode_name,
+                             lloyd_rounds, scaling);
 }
 
 }  // namespace bert_cluster

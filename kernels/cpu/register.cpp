@@ -12,6 +12,7 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("hamming_kmeans", &hamming_kmeans_cpu);
   m.impl("lloyd_refine", &lloyd_refine_cpu);
   m.impl("clustered_heads", &clustered_heads_cpu);
+  m.impl("clustered_heads_partition", &clustered_heads_partition_cpu);
   m.impl("refine_with_query_mass", &refine_with_query_mass_cpu);
   m.impl("group_queries", &group_queries_cpu);
   m.impl("centroid_attention", &centroid_attention_cpu);
@@ -20,6 +21,7 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("topk_refine_backward", &topk_refine_backward_cpu);
   m.impl("refine_with_query_mass_backward", &refine_with_query_mass_backward_cpu);
   m.impl("centroid_attention_backward", &centroid_attention_backward_cpu);
+  m.impl("centroid_attention_backward_into", &centroid_attention_backward_into_cpu);
   m.impl("group_queries_backward", &group_queries_backward_cpu);
   m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cpu);
   m.impl("banded_attention_backward", &banded_attention_backward_cpu);

@@ -547,7 +547,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dq, dkeys, dvalues, dcv, dmass, dcv.neg()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
+namespace {
+
+// centroid_attention's gradients of centroids, keys and values, all float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_backward_float(
     const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
     const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
     const at::Tensor& topk_indices, double scaling) {
@@ -585,7 +588,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
   at::Tensor dkeys = at::matmul(ds.transpose(-1, -2), centroids);
   at::Tensor dvalues = at::matmul(weights.transpose(-1, -2), gvc) + at::matmul((weights * member).transpose(-1, -2), gtv);
   dvalues = at::where(valid.view({valid.size(0), 1, n, 1}), dvalues, 0.0);
+  return {dcent, dkeys, dvalues};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
+    const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+    const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+    const at::Tensor& topk_indices, double scaling) {
+  auto [dcent, dkeys, dvalues] = centroid_backward_float(grad_centroid_values, grad_topk_mass, grad_topk_values,
+                                                         centroids, keys, values, valid, topk_indices, scaling);
   return {dcent, dkeys.to(keys.scalar_type()), dvalues.to(values.scalar_type())};
+}
+
+// The same, the key and value gradients added (in float32, before any rounding) into grad_keys and
+// grad_values (float32, the keys' and values' shapes); returns the centroids' gradient.
+at::Tensor centroid_attention_backward_into_cuda(at::Tensor& grad_keys, at::Tensor& grad_values,
+                                                 const at::Tensor& grad_centroid_values,
+                                                 const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+                                                 const at::Tensor& centroids, const at::Tensor& keys,
+                                                 const at::Tensor& values, const at::Tensor& valid,
+                                                 const at::Tensor& topk_indices, double scaling) {
+  check_dtype(grad_keys, at::kFloat, "grad_keys");
+  check_dtype(grad_values, at::kFloat, "grad_values");
+  TORCH_CHECK_VALUE(grad_keys.sizes() == keys.sizes() && grad_values.sizes() == values.sizes(),
+                    "grad_keys and grad_values must have the keys' and values' shapes, got ", grad_keys.sizes(),
+                    " and ", grad_values.sizes());
+  auto [dcent, dkeys, dvalues] = centroid_backward_float(grad_centroid_values, grad_topk_mass, grad_topk_values,
+                                                         centroids, keys, values, valid, topk_indices, scaling);
+  grad_keys.add_(dkeys);
+  grad_values.add_(dvalues);
+  return dcent;
 }
 
 at::Tensor group_queries_backward_cuda(const at::Tensor& grad_centroids, const at::Tensor& queries,
@@ -684,6 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cuda(
 TORCH_LIBRARY_IMPL(bert_cluster, CUDA, m) {
   m.impl("topk_refine_backward", &topk_refine_backward_cuda);
   m.impl("centroid_attention_backward", &centroid_attention_backward_cuda);
+  m.impl("centroid_attention_backward_into", &centroid_attention_backward_into_cuda);
   m.impl("group_queries_backward", &group_queries_backward_cuda);
   m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cuda);
   m.impl("banded_attention_backward", &banded_attention_backward_cuda);

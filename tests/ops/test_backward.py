@@ -328,6 +328,37 @@ def test_step_backward_ops_match_the_reference(case: Case, op: str, backend: str
     )
 
 
+@pytest.mark.parametrize("backend,device", kernel_backends())
+@pytest.mark.parametrize("case", STEP_CASES, ids=str)
+def test_centroid_backward_into_adds_the_centroid_backward(case: Case, backend: str, device: str) -> None:
+    """centroid_attention_backward_into adds the key and value gradients into the given float32 tensors
+    (in fp32 bit for bit what adding centroid_attention_backward's gives) and returns the centroids'."""
+    require_kernels(backend)
+    from bert_cluster import ops
+
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in _step_backward_args(case)[
+        "centroid_attention_backward"
+    ]]  # fmt: skip
+    generator = torch.Generator().manual_seed(11)
+    base_k, base_v = (torch.randn(t.shape, generator=generator).to(device) for t in args[4:6])
+    grad_keys, grad_values = base_k.clone(), base_v.clone()
+    d_centroids = ops.centroid_attention_backward_into(grad_keys, grad_values, *args)
+    expected_c, expected_k, expected_v = ops.centroid_attention_backward(*args)
+    if case.dtype == "fp32":
+        assert torch.equal(d_centroids, expected_c)
+        assert torch.equal(grad_keys, base_k + expected_k) and torch.equal(grad_values, base_v + expected_v)
+    else:  # added before rounding to the inputs' dtype: within that rounding of the separate op's
+        reference = ref.centroid_attention_backward(
+            *[a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        )
+        _assert_grads_close(
+            {"c": d_centroids, "k": grad_keys - base_k, "v": grad_values - base_v},
+            {"c": reference[0], "k": reference[1].float(), "v": reference[2].float()},
+            "bf16",
+            "centroid_attention_backward_into",
+        )
+
+
 @pytest.mark.parametrize("op", STEP_BACKWARDS)
 def test_step_backward_ops_give_the_same_bits_at_any_thread_count(op: str) -> None:
     from bert_cluster import ops
@@ -375,6 +406,65 @@ def test_clustered_attention_gradients_match_the_reference_backend(
         out_grad.to(q.dtype).to(device),
     )
     _assert_grads_close(got, expected, dtype, f"clustered_attention {mode}")
+
+
+@pytest.mark.parametrize("backend,device", kernel_backends())
+@pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
+def test_one_node_backward_equals_autograd_through_the_steps(backend: str, device: str, mode: str) -> None:
+    """A recording call on a kernel backend is one autograd node (``_StepsWithBackward``) whose backward
+    chains the steps' backward ops by hand: in float32 it gives autograd's bits through the composed ops,
+    each with its registered backward (every sum has two terms, and a + b = b + a)."""
+    require_kernels(backend)
+    from bert_cluster import attention
+
+    case = Case(300, 10, 16, 32, 24, "fp32", True)
+    q, k, v, valid = (t.to(device) for t in _inputs(case, seed=7))
+    config = ClusteredAttentionConfig(clusters=10, topk=16, mode=mode, min_length=0)
+    planes, offsets, *settings = attention.step_arguments(config, 10, 16, case.dk**-0.5, 0, q)
+    chosen = dispatch.BACKENDS[backend]()
+    out_grad = torch.randn(*q.shape[:-1], case.dv, generator=torch.Generator().manual_seed(8)).to(device)
+    one_node = _grads(
+        lambda **t: attention._StepsWithBackward.apply(
+            *t.values(), valid, chosen, planes, offsets, *settings
+        ),
+        {"query": q, "key": k, "value": v},
+        out_grad,
+    )
+    composed = _grads(
+        lambda **t: attention._composed(chosen, *t.values(), valid, planes, offsets, *settings),
+        {"query": q, "key": k, "value": v},
+        out_grad,
+    )
+    for name in composed:
+        assert torch.equal(one_node[name], composed[name]), f"d{name}: one node != the composed steps"
+    leaf = q.clone().requires_grad_()
+    out = clustered_attention(leaf, k, v, valid, config.replace(backend=backend))
+    assert type(out.grad_fn).__name__ == "_StepsWithBackwardBackward", out.grad_fn
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mode", ["i-clustered+", "i-clustered", "clustered"])
+def test_backward_reads_transformers_layout_as_contiguous(mode: str, dtype: str) -> None:
+    """Queries, keys, values and the output gradient in (B, L, H, D) memory, as transformers gives them:
+    the CPU backward kernels read them through their strides (no contiguous copy), with the same bits."""
+    require_kernels("cpu")
+    q, k, v, valid = _inputs(Case(300, 10, 16, 32, 32, dtype, True), seed=9)
+    out_grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(10)).to(q.dtype)
+    config = ClusteredAttentionConfig(clusters=10, topk=16, mode=mode, min_length=0, backend="cpu")
+
+    def transformers_layout(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    laid_out = {name: transformers_layout(t) for name, t in {"query": q, "key": k, "value": v}.items()}
+    assert not laid_out["query"].is_contiguous()
+
+    def attend(**t):
+        return clustered_attention(**t, valid=valid, config=config)
+
+    strided = _grads(attend, laid_out, transformers_layout(out_grad))
+    contiguous = _grads(attend, {"query": q, "key": k, "value": v}, out_grad)
+    for name in contiguous:
+        assert torch.equal(strided[name], contiguous[name]), f"d{name}: the layout changed the gradient"
 
 
 @pytest.mark.parametrize("backend,device", kernel_backends())
@@ -477,6 +567,10 @@ def _op_cases():
             torch.randn(vc.shape), torch.randn(mass.shape), torch.randn(topv.shape), centroids, k, v, valid,
             indices, scaling,
         ),
+        "centroid_attention_backward_into": (
+            torch.randn(k.shape), torch.randn(v.shape), torch.randn(vc.shape), torch.randn(mass.shape),
+            torch.randn(topv.shape), centroids, k, v, valid, indices, scaling,
+        ),
         "group_queries_backward": (torch.randn(centroids.shape), q, plus),
         "broadcast_clusters_backward": (torch.randn(rows, heads, n, dim), vc, plus),
         "banded_attention_backward": (torch.randn(rows, heads, n, dim), q, k, v, valid, 3, scaling),
@@ -493,6 +587,6 @@ def test_opcheck_with_gradients(op: str) -> None:
     tests = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     if op == "lloyd_refine":
         tests.remove("test_aot_dispatch_dynamic")
-    if op.endswith("_backward"):
+    if "_backward" in op:
         tests = ["test_schema", "test_faketensor"]
     torch.library.opcheck(getattr(torch.ops.bert_cluster, op).default, args, test_utils=tests)

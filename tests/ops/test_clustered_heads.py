@@ -57,6 +57,35 @@ def test_the_fused_op_gives_its_steps_bit_for_bit(case: Case, mode: str, threads
     assert torch.equal(fused, composed), f"{mode}, {threads} threads: {float((fused - composed).abs().max())}"
 
 
+@CASES
+@given(case=cases(), mode=st.sampled_from(MODES), threads=st.sampled_from([1, 2]))
+def test_the_partition_variant_keeps_the_steps_partition(case: Case, mode: str, threads: int) -> None:
+    """clustered_heads_partition: clustered_heads' output, and the partition the steps one by one give
+    (what a recording pass saves for the backward, attention._StepsWithBackward), bit for bit."""
+    _require_cpu()
+    from bert_cluster import ops
+
+    q, k, v, valid = case.tensors()
+    config = case.config.replace(mode=mode, backend="cpu")
+    planes, offsets, *settings = attention.step_arguments(
+        config, config.clusters, config.topk, case.scaling, 2, q
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, *kept = ops.clustered_heads_partition(q, k, v, valid, planes, offsets, *settings)
+        alone = ops.clustered_heads(q, k, v, valid, planes, offsets, *settings)
+        p = attention.partition(StepByStep(), q, k, v, valid, planes, offsets, *settings)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out, alone), f"{mode}: the output differs from clustered_heads'"
+    names = ("assignments", "centroids", "centroid_values", "topk_indices", "topk_mass", "topk_values")
+    for name, got in zip(names, kept, strict=True):
+        expected = getattr(p, name)
+        assert got.shape == expected.shape, f"{mode} {name}: {tuple(got.shape)} vs {tuple(expected.shape)}"
+        assert torch.equal(got.to(expected.dtype), expected), f"{mode} {name} differs from the steps'"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_both_schedules_give_one_answer(mode: str) -> None:
     """Per (row, head) in one region (6 heads, 2 threads) and step by step (6 heads, 8 threads): the same."""
@@ -166,6 +195,7 @@ def test_opcheck() -> None:
     for mode in MODES:
         args = (q, k, v, valid, planes, offsets, 4, 5, 3, mode, 1, 0.35)
         torch.library.opcheck(torch.ops.bert_cluster.clustered_heads.default, args)
+        torch.library.opcheck(torch.ops.bert_cluster.clustered_heads_partition.default, args)
 
 
 @pytest.mark.parametrize(
