@@ -222,9 +222,8 @@ CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)
 
 # ---------------------------------------------------------------------------------------------------
 # i-clustered+ (issue 13; w4-fidelity): Lloyd rounds on the real query vectors, and refinement with each
-# query's own top-k mass. Fakes and wrappers. Compiled for the CPU only: they are not in ``OPS`` (the ops
-# every kernel backend needs on every device); the CPU backend needs them too, the CUDA backend runs the
-# reference for them.
+# query's own top-k mass. Fakes and wrappers. Compiled for the CPU and CUDA (kernels/cpu/lloyd.cpp,
+# query_mass.cpp; kernels/cuda/plus.cu), so in ``OPS``.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::lloyd_refine")
@@ -440,10 +439,11 @@ def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept
     torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
 
 
-# The refinements' backward as ops: the CPU kernels (kernels/cpu/backward.cpp) where they are built, and
-# elsewhere (the CUDA tensors, a build without kernels) the gradient of the reference function, registered
-# for every other device as a composite. Inputs float32 and contiguous (the autograd formulas below cast),
-# except topk_refine_backward's queries, keys and values: read in their dtype and layout, as the forward.
+# The refinements' backward as ops: the kernels (kernels/cpu/backward.cpp, kernels/cuda/backward.cu and
+# plus.cu) where they are built, and elsewhere (a build without kernels, another device) the gradient of
+# the reference function, registered for every other device as a composite. Inputs float32 and contiguous
+# (the autograd formulas below cast), except topk_refine_backward's queries, keys and values: read in their
+# dtype and layout, as the forward.
 
 
 @torch.library.register_fake(f"{NAMESPACE}::topk_refine_backward")
@@ -523,7 +523,7 @@ def autograd_inside_an_op():
         yield
 
 
-# Where no backward kernel is registered (CUDA tensors, a build without kernels): the reference's gradient.
+# Where no backward kernel is registered (a build without kernels, another device): the reference's gradient.
 def _register_reference_backwards() -> None:
     def in_op(function):
         def call(*args):

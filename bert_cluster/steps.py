@@ -108,7 +108,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "lloyd_refine",
         "(Tensor queries, Tensor assignments, int clusters, int iterations) -> (Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.lloyd_refine",
         # Its centroids are the means of its final partition: group_queries' backward with those assignments.
         backward="group_queries_backward",
@@ -118,13 +118,13 @@ STEPS: tuple[Step, ...] = (
         "(Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, Tensor centroids, "
         "Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, Tensor topk_values, float scaling) "
         "-> Tensor",
-        CPU,
+        BOTH,
         "reference.refine_with_query_mass",
         backward="refine_with_query_mass_backward",
     ),
     # The refinements' backward (issue 38): the exact gradient given the forward's discrete choices, from
-    # the output gradient (kernels/cpu/backward.cpp, kernels/cuda/backward.cu; where no kernel is built the
-    # reference's, by autograd).
+    # the output gradient (kernels/cpu/backward.cpp, kernels/cuda/backward.cu and plus.cu; where no kernel is
+    # built the reference's, by autograd).
     Step(
         "topk_refine_backward",
         "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor assignments, "
@@ -138,12 +138,12 @@ STEPS: tuple[Step, ...] = (
         "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, Tensor assignments, "
         "Tensor centroids, Tensor centroid_values, Tensor topk_indices, Tensor topk_mass, "
         "Tensor topk_values, float scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.refine_with_query_mass_backward",
     ),
     # The backward of the steps before the refinement (kernels/cpu/backward_steps.cpp, cuda/backward.cu):
     # centroid attention given its top-k choice, the means (group_queries, and lloyd_refine's centroids
-    # given its final partition), the broadcast of the centroids' rows.
+    # given its final partition), the broadcast of the centroids' rows, the band.
     Step(
         "centroid_attention_backward",
         "(Tensor grad_centroid_values, Tensor grad_topk_mass, Tensor grad_topk_values, Tensor centroids, "
@@ -159,7 +159,7 @@ STEPS: tuple[Step, ...] = (
         "(Tensor(a!) grad_keys, Tensor(b!) grad_values, Tensor grad_centroid_values, Tensor grad_topk_mass, "
         "Tensor grad_topk_values, Tensor centroids, Tensor keys, Tensor values, Tensor valid, "
         "Tensor topk_indices, float scaling) -> Tensor",
-        CPU,
+        BOTH,
         "reference.centroid_attention_backward_into",
     ),
     Step(
@@ -178,7 +178,7 @@ STEPS: tuple[Step, ...] = (
         "banded_attention_backward",
         "(Tensor grad_out, Tensor queries, Tensor keys, Tensor values, Tensor valid, int window, "
         "float scaling) -> (Tensor, Tensor, Tensor)",
-        CPU,
+        BOTH,
         "reference.banded_attention_backward",
     ),
     # Attention dropout in training (issue 38, item 2; kernels/cpu/dropout.cpp): the centroids' attention

@@ -146,6 +146,22 @@ def ops_against_reference(
     errors["banded_attention"] = _max_err(
         cuda.banded_attention(d(q), d(k), d(v), d(valid), 64, scaling), band
     )
+    # i-clustered+ (kernels/cuda/plus.cu): Lloyd rounds from the Hamming partition, then the refinement with
+    # each query's own mass on the reference's own inputs. Lloyd's distances sum in another order than the
+    # reference's GEMM: a query within ulps of a tie may go the other way; the means of one partition are
+    # the same sums in the same order (bit for bit).
+    plus = ref.lloyd_refine(q, assign, clusters, 2)
+    got_plus = [t.cpu() for t in cuda.lloyd_refine(d(q), d(assign), clusters, 2)]
+    errors["lloyd_assignments_differing"] = int((got_plus[0] != plus[0]).sum())
+    if errors["lloyd_assignments_differing"] == 0:
+        assert torch.equal(got_plus[1], plus[1]), "lloyd_refine means differ on the same partition"
+        assert torch.equal(got_plus[2], plus[2]), "lloyd_refine counts differ"
+    plus_attended = ref.centroid_attention(plus[1], k, v, valid, topk, scaling)
+    plus_args = (q, k, v, valid, plus[0], plus[1], *plus_attended, scaling)
+    errors["refine_with_query_mass"] = _max_err(
+        cuda.refine_with_query_mass(*[d(t) if isinstance(t, torch.Tensor) else t for t in plus_args]),
+        ref.refine_with_query_mass(*plus_args),
+    )
     atol = OP_ATOL[dtype]
     floats = (
         "group_queries",
@@ -154,6 +170,7 @@ def ops_against_reference(
         "topk_values",
         "topk_refine",
         "banded_attention",
+        "refine_with_query_mass",
     )
     for name in floats:
         assert errors[name] <= atol, f"{name}: max abs error {errors[name]:.3g} > {atol}"
@@ -161,6 +178,7 @@ def ops_against_reference(
     # A different GEMM order may flip a hash bit within ulps of 0 or swap two near-equal top-k scores.
     assert errors["hash_bits_differing_fraction"] < 1e-3, errors
     assert errors["topk_indices_differing"] <= 0.001 * got[1].numel() + 2, errors
+    assert errors["lloyd_assignments_differing"] <= 0.001 * plus[0].numel() + 2, errors
     return {"errors": errors}
 
 
@@ -213,10 +231,9 @@ def end_to_end(
 
 
 def run_to_run_determinism() -> dict:
-    """The same bits twice, end to end and op by op, on the kernels' own mode (i-clustered, no growth).
-
-    i-clustered+ is not checked here: its CUDA path runs PyTorch steps between the kernels, among them a
-    float ``index_add_`` (non-deterministic on CUDA by PyTorch's own documentation).
+    """The same bits twice, end to end and op by op, on the kernels' own modes (no growth): i-clustered,
+    and i-clustered+ (whose Lloyd rounds and refinement are kernels too since issue 38: no PyTorch
+    ``index_add_``, which is non-deterministic on CUDA, in between).
     """
     n = 3000 // SHRINK
     q, k, v, valid = (t.to(DEVICE) for t in _inputs(2, 4, n, 64, dtype=torch.bfloat16, seed=3))
@@ -224,13 +241,18 @@ def run_to_run_determinism() -> dict:
     base = clustered_attention(q, k, v, valid, config)
     again = clustered_attention(q, k, v, valid, config)
     assert torch.equal(base, again), "clustered_attention (i-clustered) differs between two runs"
+    plus = config.replace(mode="i-clustered+")
+    plus_first = clustered_attention(q, k, v, valid, plus)
+    plus_again = clustered_attention(q, k, v, valid, plus)
+    assert torch.equal(plus_first, plus_again), "clustered_attention (i-clustered+) differs between two runs"
     band = windowed_attention(q, k, v, valid, 64, config)
     assert torch.equal(band, windowed_attention(q, k, v, valid, 64, config)), "banded differs between runs"
-    return {"mode": config.mode, "n": n}
+    return {"modes": [config.mode, plus.mode], "n": n}
 
 
 def backward_against_reference(n: int, dtype: torch.dtype) -> dict:
-    """The backward ops (issue 38) against autograd through the reference, and the same bits twice.
+    """The backward ops (issue 38) against autograd through the reference, and the same bits twice (every
+    backward op, i-clustered+'s refinement and the band's included).
 
     Tolerance relative to the largest gradient entry, as tests/ops/test_backward.py (GRAD_RTOL), doubled.
     """
@@ -256,7 +278,22 @@ def backward_against_reference(n: int, dtype: torch.dtype) -> dict:
             assign,
         ),
         "broadcast_clusters_backward": (grad, vc, assign),
+        "banded_attention_backward": (grad, q, k, v, valid, 64, 0.125),
     }
+    # i-clustered+'s refinement (float32 inputs: ops.py widens the half dtypes before the backward op).
+    plus_assign, plus_centroids, _ = ref.lloyd_refine(q, assign, 25, 2)
+    plus_attended = ref.centroid_attention(plus_centroids, k, v, valid, 32, 0.125)
+    calls["refine_with_query_mass_backward"] = (
+        grad,
+        q.float(),
+        k.float(),
+        v.float(),
+        valid,
+        plus_assign,
+        plus_centroids,
+        *plus_attended,
+        0.125,
+    )
     errors = {}
     for name, args in calls.items():
         got, again = getattr(ops, name)(*args), getattr(ops, name)(*args)
@@ -303,12 +340,22 @@ def side_stream_no_sync() -> dict:
                 ops.centroid_attention_backward(vc, mass, topv, centroids, k, v, valid, indices, 0.125),
                 (ops.group_queries_backward(centroids, q, assign),),
                 (ops.broadcast_clusters_backward(first, vc, assign),),
+                ops.banded_attention_backward(band, q, k, v, valid, 64, 0.125),
             ]
+            # i-clustered+ (kernels/cuda/plus.cu): Lloyd rounds, the refinement and its backward.
+            plus_assign, plus_centroids, _ = ops.lloyd_refine(q, assign, 25, 2)
+            plus_attended = ops.centroid_attention(plus_centroids, k, v, valid, 32, 0.125)
+            plus_args = (q, k, v, valid, plus_assign, plus_centroids, *plus_attended, 0.125)
+            plus_out = ops.refine_with_query_mass(*plus_args)
+            plus_again = ops.refine_with_query_mass(*plus_args)
+            wide = [t.float() if t.is_floating_point() else t for t in plus_args[:-1]]
+            backward.append(ops.refine_with_query_mass_backward(plus_out, *wide, 0.125))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     stream.synchronize()
     assert torch.equal(first, second), "topk_refine differs between two runs"
     assert torch.equal(band, band_again), "banded_attention differs between two runs"
+    assert torch.equal(plus_out, plus_again), "refine_with_query_mass differs between two runs"
     assert all(torch.isfinite(t).all() for group in backward for t in group), (
         "a backward op gave non-finite values"
     )
@@ -459,6 +506,12 @@ def quick() -> int:
         for mode in ("i-clustered", "clustered"):
             clustered_attention(q, k, v, valid, kernel_config(clusters=5, topk=8, mode=mode))
         windowed_attention(q, k, v, valid, 7, kernel_config())
+        # The backward kernels (issue 38), i-clustered+'s kernels and the band's backward among them.
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        for mode in ("i-clustered+", "i-clustered"):
+            config = kernel_config(clusters=5, topk=8, mode=mode)
+            clustered_attention(*leaves, valid, config).sum().backward()
+        windowed_attention(*leaves, valid, 7, kernel_config()).sum().backward()
     hashes = torch.randint(0, 2**40, (1, 1, 400), device=DEVICE)
     dispatch.BACKENDS[BACKEND].hamming_kmeans(
         hashes, torch.ones(1, 400, dtype=torch.bool, device=DEVICE), 200, 2, 40

@@ -1,5 +1,5 @@
 // Backward kernels on CUDA (issue 38): topk_refine, centroid_attention, group_queries (and lloyd_refine's
-// centroids) and broadcast_clusters, the same ops and results as kernels/cpu/backward*.cpp, on the current
+// centroids), broadcast_clusters and banded_attention, the same ops and results as kernels/cpu/backward*.cpp, on the current
 // stream with no host synchronisation.
 //
 // Deterministic, with no float atomics: every output element has one owner that sums in a fixed order.
@@ -10,6 +10,8 @@
 // - centroid_attention: dense C x N products through cuBLAS (at::matmul), as the forward; the top-k part as
 //   a 0/1 membership matrix (a slot's key is unique in its row, so writing the 1s collides nowhere).
 // - group_queries, broadcast_clusters: one block per (row, head, cluster) over its members in index order.
+// - banded_attention: one warp per query (its dq and softmax statistics), then one warp per key (its dK and
+//   dV over the queries whose band holds it, in query order).
 // Assignments and top-k indices out of range fail a device-side assertion, as in the forward kernels.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -264,6 +266,237 @@ __global__ void broadcast_backward_kernel(const T* __restrict__ grad, const int6
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// banded_attention: query i attends to the valid keys l with |i - l| <= w, P_il = softmax_l(s q_i . K_l),
+// out_i = sum_l P_il V_l. As the reference (and kernels/cpu/backward_steps.cpp): a non-finite value of a
+// visible key enters the products as 0 and makes the output elements it touches NaN, constants, so those
+// pass no gradient. With g'_i the output gradient less those dims (0 for a padded query) and V' the values
+// with their non-finite entries 0:
+//   dP_il = g'_i . V'_l,  delta_i = sum_l P_il dP_il,  dS_il = s P_il (dP_il - delta_i),
+//   dq_i = sum_l dS_il K_l,  dK_l = sum_i dS_il q_i,  dV_l = sum_i P_il g'_i (0 on a non-finite V_l entry).
+// Three kernels, one warp per row, so that every gradient row has one owner: g' per query; per query its
+// softmax statistics (max, sum, delta) and dq; per key dK and dV over the queries whose band holds it. The
+// key pass recomputes P_il and dP_il with the query pass's expressions (the same operations in the same
+// order: the same bits). Lanes take keys (or queries) 32 at a time for the dot products, then dims.
+constexpr int kBandWarps = 8;
+
+template <typename T>
+__device__ __forceinline__ float dot_row(const float* __restrict__ x, const T* __restrict__ row, int64_t d_count) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < d_count; ++d) acc = fmaf(x[d], static_cast<float>(row[d]), acc);
+  return acc;
+}
+
+// Like dot_row with the row's non-finite entries read as 0 (the values, V').
+template <typename T>
+__device__ __forceinline__ float dot_clean_row(const float* __restrict__ x, const T* __restrict__ row,
+                                               int64_t d_count) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < d_count; ++d) {
+    const float v = static_cast<float>(row[d]);
+    acc = fmaf(x[d], isfinite(v) ? v : 0.f, acc);
+  }
+  return acc;
+}
+
+// g': per (row, head, query) one warp, lanes over the value dims.
+template <typename T>
+__global__ void band_clean_grad_kernel(const float* __restrict__ grad, const T* __restrict__ values,
+                                       const bool* __restrict__ valid, int64_t heads, int64_t n, int64_t window,
+                                       int64_t dv, int64_t total, float* __restrict__ clean) {
+  const int64_t line = static_cast<int64_t>(blockIdx.x) * kBandWarps + threadIdx.x / kWarp;  // (row, head, query)
+  if (line >= total) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t rh = line / n, i = line % n, r = rh / heads;
+  const bool* ok = valid + r * n;
+  const int64_t lo = i - window > 0 ? i - window : 0, hi = i + window < n - 1 ? i + window : n - 1;
+  const T* V = values + rh * n * dv;
+  for (int64_t d = lane; d < dv; d += kWarp) {
+    bool seen = false;
+    if (ok[i])
+      for (int64_t l = lo; l <= hi; ++l) seen |= ok[l] && !isfinite(static_cast<float>(V[l * dv + d]));
+    clean[line * dv + d] = ok[i] && !seen ? grad[line * dv + d] : 0.f;
+  }
+}
+
+// Per query: max and sum of its band's exponentials, delta, and dq. One warp per (row, head, query).
+template <typename T, int NV>
+__global__ void band_query_backward_kernel(const float* __restrict__ clean, const T* __restrict__ q,
+                                           const T* __restrict__ keys, const T* __restrict__ values,
+                                           const bool* __restrict__ valid, int64_t heads, int64_t n, int64_t window,
+                                           int64_t dk, int64_t dv, int64_t total, float scaling,
+                                           float* __restrict__ stats, float* __restrict__ dq) {
+  extern __shared__ float band_bwd_smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t line = static_cast<int64_t>(blockIdx.x) * kBandWarps + warp;
+  if (line >= total) return;  // warp-uniform; the kernel has no block-wide barrier
+  const int64_t rh = line / n, i = line % n, r = rh / heads;
+  const bool* ok = valid + r * n;
+  float* qs = band_bwd_smem + warp * (dk + dv);
+  float* gs = qs + dk;
+  for (int64_t d = lane; d < dk; d += kWarp) qs[d] = static_cast<float>(q[line * dk + d]);
+  for (int64_t d = lane; d < dv; d += kWarp) gs[d] = clean[line * dv + d];
+  __syncwarp();
+  const T* K = keys + rh * n * dk;
+  const T* V = values + rh * n * dv;
+  const int64_t lo = i - window > 0 ? i - window : 0, hi = i + window < n - 1 ? i + window : n - 1;
+  // The scores, three times (max; sums; dq): nothing of the band is kept.
+  auto score = [&](int64_t l, bool& visible) {
+    visible = ok[i] && l <= hi && ok[l];
+    return visible ? dot_row(qs, K + l * dk, dk) * scaling : -INFINITY;
+  };
+  float top = -INFINITY;
+  bool any = false;
+  for (int64_t j0 = lo; j0 <= hi; j0 += kWarp) {
+    bool visible;
+    const float s = score(j0 + lane, visible);
+    top = fmaxf(top, cuda::warp_max(s));
+    any |= __any_sync(kFull, visible);
+  }
+  float* st = stats + line * 3;
+  float acc[NV];
+  for (int t = 0; t < NV; ++t) acc[t] = 0.f;
+  // A padded query, or no valid key in the band: a zero output, no gradient (decided from the mask: NaN
+  // scores propagate, as on the CPU).
+  if (!any) {
+    if (lane == 0) {
+      st[0] = -INFINITY;
+      st[1] = 0.f;
+      st[2] = 0.f;
+    }
+  } else {
+    float sum = 0.f, weighted = 0.f;
+    for (int64_t j0 = lo; j0 <= hi; j0 += kWarp) {
+      bool visible;
+      const float s = score(j0 + lane, visible);
+      const float e = visible ? expf(s - top) : 0.f;
+      const float dp = visible ? dot_clean_row(gs, V + (j0 + lane) * dv, dv) : 0.f;
+      sum += cuda::warp_sum(e);
+      weighted += cuda::warp_sum(e * dp);
+    }
+    const float delta = weighted / sum;
+    for (int64_t j0 = lo; j0 <= hi; j0 += kWarp) {
+      bool visible;
+      const float s = score(j0 + lane, visible);
+      float ds = 0.f;
+      if (visible) {
+        const float p = expf(s - top) / sum;
+        const float dp = dot_clean_row(gs, V + (j0 + lane) * dv, dv);
+        ds = scaling * p * (dp - delta);
+      }
+      const unsigned seen = __ballot_sync(kFull, visible);
+      for (int j = 0; j < kWarp; ++j) {
+        const float w = __shfl_sync(kFull, ds, j);
+        if (!(seen >> j & 1u)) continue;  // warp-uniform
+        const T* key = K + (j0 + j) * dk;
+        for (int t = 0; t < NV; ++t) {
+          const int64_t d = lane + t * kWarp;
+          if (d < dk) acc[t] = fmaf(w, static_cast<float>(key[d]), acc[t]);
+        }
+      }
+    }
+    if (lane == 0) {
+      st[0] = top;
+      st[1] = sum;
+      st[2] = delta;
+    }
+  }
+  for (int t = 0; t < NV; ++t) {
+    const int64_t d = lane + t * kWarp;
+    if (d < dk) dq[line * dk + d] = acc[t];
+  }
+}
+
+// Per key: dK and dV over the queries whose band holds it, in query order. One warp per (row, head, key).
+template <typename T, int NV>
+__global__ void band_key_backward_kernel(const float* __restrict__ clean, const T* __restrict__ q,
+                                         const T* __restrict__ keys, const T* __restrict__ values,
+                                         const bool* __restrict__ valid, const float* __restrict__ stats,
+                                         int64_t heads, int64_t n, int64_t window, int64_t dk, int64_t dv,
+                                         int64_t total, float scaling, float* __restrict__ dkeys,
+                                         float* __restrict__ dvalues) {
+  extern __shared__ float band_bwd_smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t line = static_cast<int64_t>(blockIdx.x) * kBandWarps + warp;
+  if (line >= total) return;  // warp-uniform
+  const int64_t rh = line / n, l = line % n, r = rh / heads;
+  const bool* ok = valid + r * n;
+  float* ks = band_bwd_smem + warp * (dk + dv);
+  float* vs = ks + dk;
+  const T* value = values + line * dv;
+  for (int64_t d = lane; d < dk; d += kWarp) ks[d] = static_cast<float>(keys[line * dk + d]);
+  for (int64_t d = lane; d < dv; d += kWarp) vs[d] = static_cast<float>(value[d]);
+  __syncwarp();
+  float gk[NV], gv[NV];
+  for (int t = 0; t < NV; ++t) gk[t] = gv[t] = 0.f;
+  if (ok[l]) {  // a padded key is never visible: zero gradients
+    const T* Q = q + rh * n * dk;
+    const float* G = clean + rh * n * dv;
+    const int64_t lo = l - window > 0 ? l - window : 0, hi = l + window < n - 1 ? l + window : n - 1;
+    for (int64_t i0 = lo; i0 <= hi; i0 += kWarp) {
+      const int64_t i = i0 + lane;
+      const float* st = stats + (rh * n + i) * 3;
+      const bool visible = i <= hi && ok[i] && st[1] != 0.f;  // 0: no valid key in i's band (NaN counts)
+      float ds = 0.f, p = 0.f;
+      if (visible) {
+        // The query pass's expressions: dot_row(q_i, K_l) there is fmaf(q_i[d], K_l[d], .) in d order, as here.
+        float s = 0.f;
+        for (int64_t d = 0; d < dk; ++d) s = fmaf(static_cast<float>(Q[i * dk + d]), ks[d], s);
+        s *= scaling;
+        float dp = 0.f;
+        for (int64_t d = 0; d < dv; ++d) dp = fmaf(G[i * dv + d], isfinite(vs[d]) ? vs[d] : 0.f, dp);
+        p = expf(s - st[0]) / st[1];
+        ds = scaling * p * (dp - st[2]);
+      }
+      const unsigned seen = __ballot_sync(kFull, visible);
+      for (int j = 0; j < kWarp; ++j) {
+        const float wk = __shfl_sync(kFull, ds, j), wv = __shfl_sync(kFull, p, j);
+        if (!(seen >> j & 1u)) continue;  // warp-uniform
+        const T* qi = Q + (i0 + j) * dk;
+        const float* gi = G + (i0 + j) * dv;
+        for (int t = 0; t < NV; ++t) {
+          const int64_t d = lane + t * kWarp;
+          if (d < dk) gk[t] = fmaf(wk, static_cast<float>(qi[d]), gk[t]);
+          if (d < dv) gv[t] = fmaf(wv, gi[d], gv[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NV; ++t) {
+    const int64_t d = lane + t * kWarp;
+    if (d < dk) dkeys[line * dk + d] = gk[t];
+    if (d < dv) dvalues[line * dv + d] = isfinite(vs[d]) ? gv[t] : 0.f;
+  }
+}
+
+template <typename T>
+void launch_band_backward(int nv, const at::Tensor& clean, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& ok, at::Tensor& stats, int64_t heads, int64_t n,
+                          int64_t window, int64_t dk, int64_t dv, int64_t total, float scaling, at::Tensor& dq,
+                          at::Tensor& dkeys, at::Tensor& dvalues) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto blocks = blocks_for(total, kBandWarps);
+  const size_t smem = static_cast<size_t>(kBandWarps) * (dk + dv) * sizeof(float);
+#define BC_BAND_BWD(NV)                                                                                         \
+  band_query_backward_kernel<T, NV><<<blocks, kBandWarps * kWarp, smem, stream>>>(                              \
+      clean.data_ptr<float>(), q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), ok.data_ptr<bool>(), heads, n, \
+      window, dk, dv, total, scaling, stats.data_ptr<float>(), dq.data_ptr<float>());                          \
+  C10_CUDA_KERNEL_LAUNCH_CHECK();                                                                               \
+  band_key_backward_kernel<T, NV><<<blocks, kBandWarps * kWarp, smem, stream>>>(                                \
+      clean.data_ptr<float>(), q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), ok.data_ptr<bool>(),          \
+      stats.data_ptr<float>(), heads, n, window, dk, dv, total, scaling, dkeys.data_ptr<float>(),               \
+      dvalues.data_ptr<float>());                                                                               \
+  C10_CUDA_KERNEL_LAUNCH_CHECK()
+  switch (nv) {
+    case 1: BC_BAND_BWD(1); break;
+    case 2: BC_BAND_BWD(2); break;
+    case 4: BC_BAND_BWD(4); break;
+    case 8: BC_BAND_BWD(8); break;
+    default: BC_BAND_BWD(16); break;
+  }
+#undef BC_BAND_BWD
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_backward_cuda(
@@ -314,7 +547,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dq, dkeys, dvalues, dcv, dmass, dcv.neg()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
+namespace {
+
+// centroid_attention's gradients of centroids, keys and values, all float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_backward_float(
     const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
     const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
     const at::Tensor& topk_indices, double scaling) {
@@ -352,7 +588,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
   at::Tensor dkeys = at::matmul(ds.transpose(-1, -2), centroids);
   at::Tensor dvalues = at::matmul(weights.transpose(-1, -2), gvc) + at::matmul((weights * member).transpose(-1, -2), gtv);
   dvalues = at::where(valid.view({valid.size(0), 1, n, 1}), dvalues, 0.0);
+  return {dcent, dkeys, dvalues};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_attention_backward_cuda(
+    const at::Tensor& grad_centroid_values, const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+    const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
+    const at::Tensor& topk_indices, double scaling) {
+  auto [dcent, dkeys, dvalues] = centroid_backward_float(grad_centroid_values, grad_topk_mass, grad_topk_values,
+                                                         centroids, keys, values, valid, topk_indices, scaling);
   return {dcent, dkeys.to(keys.scalar_type()), dvalues.to(values.scalar_type())};
+}
+
+// The same, the key and value gradients added (in float32, before any rounding) into grad_keys and
+// grad_values (float32, the keys' and values' shapes); returns the centroids' gradient.
+at::Tensor centroid_attention_backward_into_cuda(at::Tensor& grad_keys, at::Tensor& grad_values,
+                                                 const at::Tensor& grad_centroid_values,
+                                                 const at::Tensor& grad_topk_mass, const at::Tensor& grad_topk_values,
+                                                 const at::Tensor& centroids, const at::Tensor& keys,
+                                                 const at::Tensor& values, const at::Tensor& valid,
+                                                 const at::Tensor& topk_indices, double scaling) {
+  check_dtype(grad_keys, at::kFloat, "grad_keys");
+  check_dtype(grad_values, at::kFloat, "grad_values");
+  TORCH_CHECK_VALUE(grad_keys.sizes() == keys.sizes() && grad_values.sizes() == values.sizes(),
+                    "grad_keys and grad_values must have the keys' and values' shapes, got ", grad_keys.sizes(),
+                    " and ", grad_values.sizes());
+  auto [dcent, dkeys, dvalues] = centroid_backward_float(grad_centroid_values, grad_topk_mass, grad_topk_values,
+                                                         centroids, keys, values, valid, topk_indices, scaling);
+  grad_keys.add_(dkeys);
+  grad_values.add_(dvalues);
+  return dcent;
 }
 
 at::Tensor group_queries_backward_cuda(const at::Tensor& grad_centroids, const at::Tensor& queries,
@@ -407,11 +674,54 @@ at::Tensor broadcast_clusters_backward_cuda(const at::Tensor& grad_out, const at
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, int64_t window, double scaling) {
+  check_qkv(queries, keys, values);
+  check_dtype(grad_out, at::kFloat, "grad_out");
+  const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
+  const int64_t dk = queries.size(3), dv = values.size(3);
+  check_valid(valid, rows, n, queries);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
+  TORCH_CHECK_VALUE(grad_out.sizes() == values.sizes(), "grad_out must be (R, H, N, Dv) = ", values.sizes(),
+                    ", got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(dk <= cuda::kMaxHeadDim && dv <= cuda::kMaxHeadDim,
+                    "the CUDA banded_attention_backward supports head dims up to ", cuda::kMaxHeadDim, ", got Dk=",
+                    dk, ", Dv=", dv);
+  const c10::cuda::CUDAGuard guard(queries.device());
+  const at::Tensor g = grad_out.contiguous(), q = queries.contiguous(), kk = keys.contiguous();
+  const at::Tensor v = values.contiguous(), ok = valid.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::zeros({rows, heads, n, dk}, f32);
+  at::Tensor dkeys = at::zeros({rows, heads, n, dk}, f32);
+  at::Tensor dvalues = at::zeros({rows, heads, n, dv}, f32);
+  const int64_t total = rows * heads * n;
+  if (total == 0 || dk + dv == 0) return {dq, dkeys, dvalues};
+  const int64_t w = window < n ? window : n;
+  at::Tensor clean = at::empty({rows, heads, n, dv}, f32);
+  at::Tensor stats = at::empty({total, 3}, f32);
+  const int nv = cuda::lanes_per_dim_bucket(dk > dv ? dk : dv);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "banded_attention_backward_cuda", [&] {
+    if (dv > 0) {
+      band_clean_grad_kernel<scalar_t><<<blocks_for(total, kBandWarps), kBandWarps * kWarp, 0, stream>>>(
+          g.data_ptr<float>(), v.data_ptr<scalar_t>(), ok.data_ptr<bool>(), heads, n, w, dv, total,
+          clean.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    launch_band_backward<scalar_t>(nv, clean, q, kk, v, ok, stats, heads, n, w, dk, dv, total,
+                                   static_cast<float>(scaling), dq, dkeys, dvalues);
+  });
+  return {dq, dkeys, dvalues};
+}
+
 TORCH_LIBRARY_IMPL(bert_cluster, CUDA, m) {
   m.impl("topk_refine_backward", &topk_refine_backward_cuda);
   m.impl("centroid_attention_backward", &centroid_attention_backward_cuda);
+  m.impl("centroid_attention_backward_into", &centroid_attention_backward_into_cuda);
   m.impl("group_queries_backward", &group_queries_backward_cuda);
   m.impl("broadcast_clusters_backward", &broadcast_clusters_backward_cuda);
+  m.impl("banded_attention_backward", &banded_attention_backward_cuda);
 }
 
 }  // namespace bert_cluster
