@@ -8,7 +8,9 @@ drifts hit all alike); "x SDPA" is SDPA's median over the method's, both from th
 also times the kernels' inference forward (``torch.inference_mode``) and their forward with grad recording
 (inputs that require grad, no backward): the issue's rule "recording stays within 1.2x of inference" is
 the median of the per-round ratios. Memory: peak resident set (VmHWM) a forward + backward adds, in a fresh
-subprocess per case.
+subprocess per case. ``--dropout 0 0.1`` times each case with and without attention dropout in the same
+rounds (SDPA's ``dropout_p``, the kernels' ``dropout``: issue 38, item 2); the targets and the
+recording/inference ratio belong to the calls without dropout.
 
 Part ``step``: one training step (forward, backward, AdamW step) of the MiniLM-16k proxy with a sequence
 classification head, batch 1, ``model.train()``, unmodified (SDPA) against ``bert_cluster.convert``'s
@@ -24,6 +26,7 @@ each variant (self CPU time) to the JSON.
 
     python scripts/bench_training.py --output docs/results/bench_training_zen4/training.json
     python scripts/bench_training.py --parts attention --lengths 512 2048 --dtypes fp32 --repeats 3
+    python scripts/bench_training.py --parts attention --lengths 2048 8192 --dtypes fp32 --dropout 0 0.1
     python scripts/bench_training.py --parts step --train-lengths 4096 --train-repeats 2 --no-memory
 """
 
@@ -76,10 +79,11 @@ PROFILE_TOP = 15
 
 
 def attention_case(
-    method: str, n: int, dtype: str, heads: int = 12, head_dim: int = 64
+    method: str, n: int, dtype: str, dropout: float = 0.0, heads: int = 12, head_dim: int = 64
 ) -> dict[str, Callable]:
     """Calls timing one attention method at one length: ``train`` (forward + backward, returns the two
-    times) and, for the kernels, ``infer`` (inference forward) and ``record`` (forward recording grad)."""
+    times) and, for the kernels without dropout, ``infer`` (inference forward) and ``record`` (forward
+    recording grad). ``dropout``: the attention dropout of the training call."""
     import torch
 
     from bert_cluster import ClusteredAttentionConfig, clustered_attention
@@ -90,15 +94,15 @@ def attention_case(
     grad = torch.randn(q.shape, generator=generator).to(q.dtype)
     if method == "sdpa":
 
-        def attend(a, b, c):
-            return torch.nn.functional.scaled_dot_product_attention(a, b, c)
+        def attend(a, b, c, p=dropout):
+            return torch.nn.functional.scaled_dot_product_attention(a, b, c, dropout_p=p)
     else:
         config = ClusteredAttentionConfig(
             **SETTINGS, mode=method.split("-", 1)[1], min_length=0, backend="cpu"
         )
 
-        def attend(a, b, c):
-            return clustered_attention(a, b, c, valid, config=config)
+        def attend(a, b, c, p=dropout):
+            return clustered_attention(a, b, c, valid, config=config, dropout=p)
 
     def train() -> tuple[float, float]:
         for leaf in leaves:
@@ -110,7 +114,7 @@ def attention_case(
         return middle - began, time.perf_counter() - middle
 
     calls: dict[str, Callable] = {"train": train}
-    if method != "sdpa":
+    if method != "sdpa" and not dropout:
         detached = [leaf.detach() for leaf in leaves]
 
         def infer() -> float:
@@ -128,31 +132,33 @@ def attention_case(
     return calls
 
 
-def time_attention(lengths: list[int], dtypes: list[str], methods: list[str], repeats: int) -> dict:
-    """(method, n, dtype, kind) -> seconds per round; kinds: forward, backward, infer, record."""
-    times: dict[tuple[str, int, str, str], list[float]] = {}
+def time_attention(
+    lengths: list[int], dtypes: list[str], methods: list[str], repeats: int, dropouts: list[float]
+) -> dict:
+    """(method, n, dtype, dropout, kind) -> seconds per round; kinds: forward, backward, infer, record."""
+    times: dict[tuple[str, int, str, float, str], list[float]] = {}
     for dtype in dtypes:
         for n in lengths:
-            cases = {method: attention_case(method, n, dtype) for method in methods}
+            cases = {(method, p): attention_case(method, n, dtype, p) for p in dropouts for method in methods}
             for calls in cases.values():  # warm-up
                 for call in calls.values():
                     call()
             for _ in range(repeats):
-                for method, calls in cases.items():
+                for (method, p), calls in cases.items():
                     forward, backward = calls["train"]()
-                    times.setdefault((method, n, dtype, "forward"), []).append(forward)
-                    times.setdefault((method, n, dtype, "backward"), []).append(backward)
+                    times.setdefault((method, n, dtype, p, "forward"), []).append(forward)
+                    times.setdefault((method, n, dtype, p, "backward"), []).append(backward)
                     for kind in ("infer", "record"):
                         if kind in calls:
-                            times.setdefault((method, n, dtype, kind), []).append(calls[kind]())
+                            times.setdefault((method, n, dtype, p, kind), []).append(calls[kind]())
             print(f"  attention timed: {dtype} N={n} (load {load_average()})", file=sys.stderr, flush=True)
     return times
 
 
-def attention_memory(method: str, n: int, dtype: str) -> float:
+def attention_memory(method: str, n: int, dtype: str, dropout: float = 0.0) -> float:
     """Run in a fresh interpreter: MiB one forward + backward adds to the process's peak RSS."""
-    attention_case(method, 16, dtype)["train"]()  # load kernels, thread pool, allocator
-    case = attention_case(method, n, dtype)
+    attention_case(method, 16, dtype, dropout)["train"]()  # load kernels, thread pool, allocator
+    case = attention_case(method, n, dtype, dropout)
     release_free_memory()
     reset_peak()
     before = memory_status()["VmRSS"]
@@ -160,48 +166,55 @@ def attention_memory(method: str, n: int, dtype: str) -> float:
     return memory_status()["VmHWM"] - before
 
 
-def attention_rows(times: dict, lengths: list[int], dtypes: list[str], methods: list[str]) -> list[dict]:
-    """One row per (dtype, N, method); every ratio from the same rounds of the same run."""
+def attention_rows(
+    times: dict, lengths: list[int], dtypes: list[str], methods: list[str], dropouts: list[float]
+) -> list[dict]:
+    """One row per (dtype, N, dropout, method); every ratio from the same rounds of the same run: x SDPA
+    against SDPA with the same dropout, and with dropout, the time over the method's own without."""
+
+    def total(method: str, n: int, dtype: str, p: float) -> list[float]:
+        forward, backward = times[(method, n, dtype, p, "forward")], times[(method, n, dtype, p, "backward")]
+        return [f + b for f, b in zip(forward, backward, strict=True)]
+
     rows = []
     for dtype in dtypes:
         for n in lengths:
-            totals = {
-                m: [
-                    f + b
-                    for f, b in zip(
-                        times[(m, n, dtype, "forward")], times[(m, n, dtype, "backward")], strict=True
-                    )
-                ]
-                for m in methods
-            }
-            sdpa = statistics.median(totals["sdpa"]) if "sdpa" in totals else math.nan
-            for method in methods:
-                median = statistics.median(totals[method])
-                row: dict[str, Any] = {
-                    "n": n,
-                    "dtype": dtype,
-                    "method": method,
-                    "forward_backward_ms": median * 1e3,
-                    "forward_ms": statistics.median(times[(method, n, dtype, "forward")]) * 1e3,
-                    "backward_ms": statistics.median(times[(method, n, dtype, "backward")]) * 1e3,
-                    "times_ms": [t * 1e3 for t in totals[method]],
-                    "speedup_vs_sdpa": sdpa / median,
-                    "peak_mib": None,
-                }
-                if method != "sdpa":
-                    infer, record = times[(method, n, dtype, "infer")], times[(method, n, dtype, "record")]
-                    row.update(
-                        infer_ms=statistics.median(infer) * 1e3,
-                        record_ms=statistics.median(record) * 1e3,
-                        record_over_infer=statistics.median(
-                            r / i for r, i in zip(record, infer, strict=True)
-                        ),
-                    )
-                    row["record_met"] = row["record_over_infer"] <= RECORD_TARGET
-                    if n in ATTENTION_TARGETS:
-                        row["target_speedup"] = ATTENTION_TARGETS[n]
-                        row["target_met"] = row["speedup_vs_sdpa"] >= ATTENTION_TARGETS[n]
-                rows.append(row)
+            for p in dropouts:
+                sdpa = statistics.median(total("sdpa", n, dtype, p)) if "sdpa" in methods else math.nan
+                for method in methods:
+                    totals = total(method, n, dtype, p)
+                    median = statistics.median(totals)
+                    row: dict[str, Any] = {
+                        "n": n,
+                        "dtype": dtype,
+                        "dropout": p,
+                        "method": method,
+                        "forward_backward_ms": median * 1e3,
+                        "forward_ms": statistics.median(times[(method, n, dtype, p, "forward")]) * 1e3,
+                        "backward_ms": statistics.median(times[(method, n, dtype, p, "backward")]) * 1e3,
+                        "times_ms": [t * 1e3 for t in totals],
+                        "speedup_vs_sdpa": sdpa / median,
+                        "peak_mib": None,
+                    }
+                    if p and 0.0 in dropouts:
+                        row["over_no_dropout"] = statistics.median(
+                            a / b for a, b in zip(totals, total(method, n, dtype, 0.0), strict=True)
+                        )
+                    if method != "sdpa" and not p:
+                        infer = times[(method, n, dtype, p, "infer")]
+                        record = times[(method, n, dtype, p, "record")]
+                        row.update(
+                            infer_ms=statistics.median(infer) * 1e3,
+                            record_ms=statistics.median(record) * 1e3,
+                            record_over_infer=statistics.median(
+                                r / i for r, i in zip(record, infer, strict=True)
+                            ),
+                        )
+                        row["record_met"] = row["record_over_infer"] <= RECORD_TARGET
+                        if n in ATTENTION_TARGETS:
+                            row["target_speedup"] = ATTENTION_TARGETS[n]
+                            row["target_met"] = row["speedup_vs_sdpa"] >= ATTENTION_TARGETS[n]
+                    rows.append(row)
     return rows
 
 
@@ -409,6 +422,7 @@ def print_tables(result: dict[str, Any]) -> None:
                 [
                     r["dtype"],
                     str(r["n"]),
+                    f"{r.get('dropout', 0.0):g}",
                     r["method"],
                     f"{r['forward_ms']:.1f}",
                     f"{r['backward_ms']:.1f}",
@@ -421,7 +435,18 @@ def print_tables(result: dict[str, Any]) -> None:
                 ]
             )
         show(
-            ["dtype", "N", "method", "fwd ms", "bwd ms", "fwd+bwd ms", "x SDPA", "record/infer", "peak MiB"],
+            [
+                "dtype",
+                "N",
+                "dropout",
+                "method",
+                "fwd ms",
+                "bwd ms",
+                "fwd+bwd ms",
+                "x SDPA",
+                "record/infer",
+                "peak MiB",
+            ],
             lines,
         )
     step = result.get("step")
@@ -477,16 +502,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     panel = iter(axes_list[0])
     if attention:
         left = next(panel)
-        for dtype in dict.fromkeys(r["dtype"] for r in attention):
+        cases = dict.fromkeys((r["dtype"], r.get("dropout", 0.0)) for r in attention)
+        for dtype, p in cases:
             for method, style in (("kernel-i-clustered", "-"), ("kernel-i-clustered+", "--")):
-                mine = [r for r in attention if r["dtype"] == dtype and r["method"] == method]
+                mine = [
+                    r
+                    for r in attention
+                    if (r["dtype"], r.get("dropout", 0.0), r["method"]) == (dtype, p, method)
+                ]
                 if mine:
                     left.plot(
                         [r["n"] for r in mine],
                         [r["speedup_vs_sdpa"] for r in mine],
                         marker="o",
                         linestyle=style,
-                        label=f"{method.removeprefix('kernel-')} {dtype}",
+                        label=f"{method.removeprefix('kernel-')} {dtype}" + (f", dropout {p:g}" if p else ""),
                     )
         for n, target in ATTENTION_TARGETS.items():
             left.plot([n], [target], marker="_", markersize=20, color="black")
@@ -536,6 +566,13 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-lengths", type=int, nargs="*", default=[4096], help="profile one step per variant here"
     )
     parser.add_argument("--attention-dropout", action="store_true", help="keep the model's attention dropout")
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="attention dropout of the attention part's calls (several: each, in the same rounds)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
@@ -549,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         help="no measuring: merge these results files into one plot at --output's .png, print them",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--attention-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--attention-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
@@ -558,8 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        method, n, dtype = args.attention_memory
-        print(attention_memory(method, int(n), dtype), flush=True)
+        method, n, dtype, dropout = args.attention_memory
+        print(attention_memory(method, int(n), dtype, float(dropout)), flush=True)
         return 0
     if args.summarise:
         merged: dict[str, Any] = {}
@@ -572,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = args.lengths + args.train_lengths
     if args.repeats < 1 or args.train_repeats < 1 or args.threads < 1 or min(lengths) < 1:
         parser.error("--repeats, --train-repeats, --threads and the lengths must be positive")
+    if any(not 0.0 <= p < 1.0 for p in args.dropout) or len(set(args.dropout)) != len(args.dropout):
+        parser.error(f"--dropout takes distinct probabilities in [0, 1), got {args.dropout}")
     if "attention" in args.parts and "sdpa" not in args.methods:
         parser.error("--methods must include sdpa: every ratio is over SDPA's time in the same run")
 
@@ -609,14 +648,17 @@ def main(argv: list[str] | None = None) -> int:
     result["settings"]["output"] = str(args.output)
     began = time.perf_counter()
     if "attention" in args.parts:
-        times = time_attention(args.lengths, args.dtypes, args.methods, args.repeats)
-        rows = attention_rows(times, args.lengths, args.dtypes, args.methods)
+        times = time_attention(args.lengths, args.dtypes, args.methods, args.repeats, args.dropout)
+        rows = attention_rows(times, args.lengths, args.dtypes, args.methods, args.dropout)
         if not args.no_memory:
             for row in rows:
-                row["peak_mib"] = measure_attention_memory(row["method"], row["n"], row["dtype"], args)
+                row["peak_mib"] = measure_attention_memory(
+                    row["method"], row["n"], row["dtype"], row["dropout"], args
+                )
         result["attention"] = {
             "shape": {"batch": 1, "heads": 12, "head_dim": 64},
             "settings": {**SETTINGS, "min_length": 0, "backend": "cpu"},
+            "dropouts": args.dropout,
             "timing": f"median of {args.repeats} interleaved rounds after one warm-up",
             "memory": "peak RSS (VmHWM) added by one forward + backward, fresh subprocess per case",
             "rows": rows,
@@ -682,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_attention_memory(method: str, n: int, dtype: str, args) -> float | None:
+def measure_attention_memory(method: str, n: int, dtype: str, dropout: float, args) -> float | None:
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -692,6 +734,7 @@ def measure_attention_memory(method: str, n: int, dtype: str, args) -> float | N
         method,
         str(n),
         dtype,
+        str(dropout),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **MEMORY_ENV}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=args.timeout)

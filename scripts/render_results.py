@@ -378,9 +378,10 @@ def training_call_table(results: list[dict]) -> list[str]:
     (result,) = results
     attention = result["attention"]
     kernels = ("kernel-i-clustered", "kernel-i-clustered+")
-    found = {(r["dtype"], r["n"], r["method"]): r for r in attention["rows"]}
+    without = [r for r in attention["rows"] if not r.get("dropout")]
+    found = {(r["dtype"], r["n"], r["method"]): r for r in without}
     rows = []
-    for dtype, n in dict.fromkeys((r["dtype"], r["n"]) for r in attention["rows"]):
+    for dtype, n in dict.fromkeys((r["dtype"], r["n"]) for r in without):
         sdpa = found[(dtype, n, "sdpa")]
         row = [tokens(n), dtype, f"{ms(sdpa['forward_ms'])} + {ms(sdpa['backward_ms'])}"]
         for method in kernels:
@@ -414,6 +415,51 @@ def training_call_table(results: list[dict]) -> list[str]:
         f"{load['load_average_after_attention'][0]:.1f} after (a shared machine); {result['date'][:10]}."
     )
     return table(header, "rlrrrrr", rows) + ["", caption]
+
+
+def training_dropout_table(results: list[dict]) -> list[str]:
+    """One call's forward + backward with attention dropout against the same call without, and against
+    SDPA with the same dropout, from the same rounds (bench_training.py --dropout 0 P)."""
+    (result,) = results
+    attention = result["attention"]
+    found = {(r["dtype"], r["n"], r.get("dropout", 0.0), r["method"]): r for r in attention["rows"]}
+    (dropout,) = [p for p in attention["dropouts"] if p]
+    rows = []
+    for dtype, n, method in dict.fromkeys((r["dtype"], r["n"], r["method"]) for r in attention["rows"]):
+        plain, dropped = found[(dtype, n, 0.0, method)], found[(dtype, n, dropout, method)]
+        peaks = [plain["peak_mib"], dropped["peak_mib"]]
+        rows.append(
+            [
+                tokens(n),
+                dtype,
+                {"sdpa": "SDPA", **METHODS}.get(method, method),
+                ms(plain["forward_backward_ms"]),
+                ms(dropped["forward_backward_ms"]),
+                f"{dropped['over_no_dropout']:.2f}",
+                "" if method == "sdpa" else times(dropped["speedup_vs_sdpa"]),
+                "" if None in peaks else joined([f"{p:,.0f}" for p in peaks]),
+            ]
+        )
+    header = [
+        "N",
+        "dtype",
+        "method",
+        "fwd + bwd ms, no dropout",
+        f"fwd + bwd ms, dropout {dropout:g}",
+        "with / without",
+        f"× SDPA, both dropout {dropout:g}",
+        "peak MiB without / with",
+    ]
+    shape, settings = attention["shape"], attention["settings"]
+    load = result["machine"]
+    caption = (
+        f"{machine_line(result)}; {load['threads']} threads; 1 × {shape['heads']} × N × {shape['head_dim']}, "
+        f"C = {settings['clusters']}, k = {settings['topk']}, min_length 0; {attention['timing']}, both "
+        f'dropouts in the same rounds ("with / without": the median of the per-round ratios); SDPA with '
+        f"dropout runs torch's N × N math path; load average {load['load_average_before'][0]:.1f} before, "
+        f"{load['load_average_after_attention'][0]:.1f} after; {result['date'][:10]}."
+    )
+    return table(header, "rllrrrrr", rows) + ["", caption]
 
 
 def training_step_table(results: list[dict]) -> list[str]:
@@ -1081,6 +1127,7 @@ BENCHMARKS = "docs/benchmarks.md"
 FIDELITY = "docs/fidelity.md"
 USAGE = "docs/usage.md"
 EMBED = "docs/embed.md"
+TRAINING = "docs/training.md"
 
 BENCH = "python scripts/bench_attention.py --threads 2"
 THREE = "--methods sdpa kernel-i-clustered kernel-i-clustered+"
@@ -1424,6 +1471,14 @@ MEASURED: tuple[Table, ...] = (
         (BENCHMARKS,),
         "python scripts/bench_training.py --parts attention --repeats 3 --output FILE",
         training_call_table,
+    ),
+    Table(
+        "training-dropout-zen4",
+        ("bench_training_zen4/dropout.json",),
+        (TRAINING,),
+        "python scripts/bench_training.py --parts attention --lengths 2048 8192 --dtypes fp32 "
+        "--dropout 0 0.1 --repeats 3 --output FILE",
+        training_dropout_table,
     ),
     Table(
         "training-step-zen4",

@@ -109,21 +109,57 @@ def test_attention_rounds_are_interleaved(monkeypatch):
     bench = load_bench()
     calls: list[tuple[str, str]] = []
 
-    def case(method, n, dtype):
+    def case(method, n, dtype, dropout=0.0):
         def call(kind):
             def run():
-                calls.append((method, kind))
+                calls.append((method, kind) if not dropout else (method, kind, dropout))
                 return (0.0, 0.0) if kind == "train" else 0.0
 
             return run
 
-        kinds = ["train"] if method == "sdpa" else ["train", "infer", "record"]
+        kinds = ["train"] if method == "sdpa" or dropout else ["train", "infer", "record"]
         return {kind: call(kind) for kind in kinds}
 
     monkeypatch.setattr(bench, "attention_case", case)
-    bench.time_attention([64], ["fp32"], ["sdpa", "kernel-i-clustered"], repeats=2)
+    bench.time_attention([64], ["fp32"], ["sdpa", "kernel-i-clustered"], repeats=2, dropouts=[0.0, 0.1])
     one_round = [("sdpa", "train"), *(("kernel-i-clustered", k) for k in ("train", "infer", "record"))]
-    assert calls == one_round * 3  # the warm-up, then every method once per round
+    one_round += [("sdpa", "train", 0.1), ("kernel-i-clustered", "train", 0.1)]
+    assert calls == one_round * 3  # the warm-up, then every method and dropout once per round
+
+
+def test_dropout_rows_compare_within_the_same_rounds(tiny_bench, tmp_path):
+    """--dropout 0 0.1: each method with and without dropout; x SDPA against SDPA with the same dropout,
+    "over_no_dropout" the median of the per-round ratios; targets and recording only without dropout."""
+    output = tmp_path / "dropout.json"
+    argv = ["--parts", "attention", "--lengths", "40", "--dtypes", "fp32", "--repeats", "3"]
+    argv += ["--dropout", "0", "0.1", "--no-memory", "--output", str(output)]
+    assert tiny_bench.main(argv) == 0
+    result = json.loads(output.read_text())
+    assert result["attention"]["dropouts"] == [0.0, 0.1]
+    rows = result["attention"]["rows"]
+    assert [(r["dropout"], r["method"]) for r in rows] == [
+        (p, m) for p in (0.0, 0.1) for m in tiny_bench.METHODS
+    ]
+    found = {(r["dropout"], r["method"]): r for r in rows}
+    for (p, method), row in found.items():
+        sdpa = found[(p, "sdpa")]
+        assert row["speedup_vs_sdpa"] == pytest.approx(ratio_of_medians(sdpa["times_ms"], row["times_ms"]))
+        if p:
+            plain = found[(0.0, method)]["times_ms"]
+            per_round = [a / b for a, b in zip(row["times_ms"], plain, strict=True)]
+            assert row["over_no_dropout"] == pytest.approx(statistics.median(per_round))
+            assert "record_over_infer" not in row
+        else:
+            assert "over_no_dropout" not in row
+            assert ("record_over_infer" in row) == (method != "sdpa")
+
+
+def test_dropout_values_are_checked(capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--parts", "attention", "--dropout", "0", "1.0"])
+    assert exit_info.value.code == 2
+    assert "--dropout takes distinct probabilities in [0, 1)" in capsys.readouterr().err
 
 
 def test_ratios_need_sdpa_in_the_run(capsys):
