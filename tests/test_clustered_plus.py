@@ -440,8 +440,12 @@ def test_the_new_steps_are_kernels_on_both_backends():
 
     dropout_ops = {
         f"{name}{suffix}"
-        for name in ("centroid_rest", "topk_refine_dropout", "refine_with_query_mass_dropout",
-                     "banded_attention_dropout")
+        for name in (
+            "centroid_rest",
+            "topk_refine_dropout",
+            "refine_with_query_mass_dropout",
+            "banded_attention_dropout",
+        )
         for suffix in ("", "_backward")
     }
     assert set(ops.CPU_ONLY_OPS) == {"clustered_heads", "clustered_heads_partition"} | dropout_ops
