@@ -316,3 +316,37 @@ def test_convert_applies_the_preset_the_readme_states():
     stated = stated_preset(CONVERT)
     stored = model.config.clustered_attention
     assert {name: stored[name] for name in stated} == stated
+
+
+def recovery_result(clustered_c10: list[float]) -> dict:
+    """A finetune_recovery.py results file: one task, a seed per value of the clustered run at C = 10."""
+
+    def scored(unmodified: float, c10: float, c25: float) -> dict:
+        return {"unmodified": {"accuracy": unmodified}, "C=10": {"accuracy": c10}, "C=25": {"accuracy": c25}}
+
+    seeds = {
+        str(seed): {
+            "clustered": {"steps": 156, "scores": scored(56.0, value, 55.5)},
+            "exact": {"steps": 156, "scores": scored(56.5, 54.0, 56.0)},
+        }
+        for seed, value in enumerate(clustered_c10)
+    }
+    return {
+        "settings": {"train_clusters": 10, "score_clusters": [10, 25], "target": 0.5, "epochs": 1.0,
+                     "max_steps": None, "learning_rate": None, "batch_size": 16, "max_length": 256},
+        "environment": {"hardware": {"cpu": "AMD EPYC", "torch_threads": 2}, "date": "2026-12-04T23:00:00"},
+        "tasks": {"rte": {"original": {"scores": scored(55.0, 53.0, 55.0)}, "seeds": seeds}},
+    }  # fmt: skip
+
+
+def test_the_recovery_table_averages_seeds_and_marks_the_target():
+    """Over seeds the mean ± sample std and the change against the checkpoint's unmodified score; the
+    clustered run's C = 10 bold when within the target of it, "missed" when not."""
+    lines = render_results.recovery_table([recovery_result([54.0, 55.0])])
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in lines if line.startswith("| rte")}
+    clustered = rows["fine-tuned, C = 10 in the loop (2 seeds)"]
+    assert clustered[4] == "**54.50 ± 0.71 (-0.50)**"  # within 0.5 of 55.0: met
+    assert rows["checkpoint"][4] == "53.00 (-2.00)"
+    assert rows["control: fine-tuned, exact (2 seeds)"][3] == "56.50 ± 0.00 (+1.50)"
+    missed = render_results.recovery_table([recovery_result([54.0, 54.9])])
+    assert any("54.45 ± 0.64 (-0.55), missed" in line for line in missed)
