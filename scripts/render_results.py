@@ -1193,6 +1193,7 @@ def summary_table(kinds: Sequence[CpuKind], counts: dict[str, int]):
 README = "README.md"
 BENCHMARKS = "docs/benchmarks.md"
 FIDELITY = "docs/fidelity.md"
+FINETUNE = "docs/finetune.md"
 USAGE = "docs/usage.md"
 EMBED = "docs/embed.md"
 TRAINING = "docs/training.md"
@@ -1532,6 +1533,14 @@ MEASURED: tuple[Table, ...] = (
         "bert-cluster tune /tmp/bc-models/minilm-l6-rte --task rte --budget 0.5 --data-dir ../shared/data "
         "-o DIR",
         tune_table,
+    ),
+    Table(
+        "finetune-recovery",
+        ("finetune_recovery/rte.json", "finetune_recovery/mrpc.json"),
+        (README, FIDELITY, FINETUNE),
+        "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds 3 --epochs 1 --max-length L "
+        "--data-dir ../shared/data --work DIR --output FILE (rte: L 256; mrpc: 128)",
+        recovery_table,
     ),
     Table(
         "training-call-zen4",
