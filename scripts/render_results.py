@@ -1543,6 +1543,14 @@ MEASURED: tuple[Table, ...] = (
         recovery_table,
     ),
     Table(
+        "finetune-recovery-rte-gentle",
+        ("finetune_recovery/rte_lr1e-4.json",),
+        (FINETUNE,),
+        "python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 3 --epochs 1 --max-length 256 "
+        "--learning-rate 1e-4 --data-dir ../shared/data --work DIR --output FILE",
+        recovery_table,
+    ),
+    Table(
         "training-call-zen4",
         ("bench_training_zen4/attention.json",),
         (BENCHMARKS,),
