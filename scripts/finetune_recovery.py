@@ -10,6 +10,12 @@ the original checkpoint's unmodified score.
         --work /tmp/recovery --output recovery.json
 
 ``--models``: the folder ``../shared/models/build.py OUT`` wrote (minilm-l6-rte, -mrpc, -squad).
+
+The results file is written after every step (the checkpoint's scores, then each fine-tuning and its
+scores), so a run longer than a sitting (SQuAD: about 50 minutes per fine-tuning and its scoring on 2
+cores) is done in parts: the same command with ``--resume`` keeps what the file holds, continues an
+interrupted fine-tuning from its last checkpoint in ``--work`` (one every ``--save-steps``), and may ask
+for more ``--seeds``. Without ``--resume`` an existing results file is refused, not replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 from pathlib import Path
 
 import bert_cluster
+from bert_cluster.finetuning import CHECKPOINTS, DEFAULT_LEARNING_RATE, last_checkpoint
 from bert_cluster.reports import atomic_write, environment
 
 CHECKPOINT = {
@@ -41,7 +48,72 @@ def scores(model: Path, task: str, clusters: list[int], data_dir: str, limit: in
     return {"scores": runs, "examples": result.examples, "seconds": round(time.monotonic() - began, 1)}
 
 
-def main() -> None:
+#: Settings that may change between the parts of one results file (where the parts run, and how many seeds).
+PART_SETTINGS = ("seeds", "resume", "work", "output", "save_steps")
+ARMS = (("clustered", False), ("exact", True))
+
+
+def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args) -> dict:
+    """One arm's fine-tuning: kept when ``out`` holds a finished one with these settings, continued from its
+    last checkpoint when it was interrupted (``--resume``), else run from the start."""
+    options = {
+        "exact": exact,
+        "seed": seed,
+        "attention": None if exact else {"clusters": args.train_clusters},
+        "epochs": args.epochs,
+        "max_steps": args.max_steps,
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "max_length": args.max_length,
+    }
+    report = out / "finetune.json"
+    if args.resume and report.is_file():
+        done = json.loads(report.read_text(encoding="utf-8"))
+        expected = {
+            "exact": exact,
+            "seed": seed,
+            "batch_size": args.batch_size,
+            "max_steps": args.max_steps,
+            "epochs": args.epochs if args.max_steps is None else None,
+            "learning_rate": args.learning_rate or DEFAULT_LEARNING_RATE[True],
+            "max_length": args.max_length,
+        }
+        if not exact:
+            expected["clusters"] = args.train_clusters
+        found = {**done["settings"], "clusters": (done["settings"].get("attention") or {}).get("clusters")}
+        differ = {key: (found.get(key), value) for key, value in expected.items() if found.get(key) != value}
+        if differ:
+            raise SystemExit(f"{out} holds a fine-tuning with other settings {differ}; move it")
+        print(task, seed, "clustered" if not exact else "exact", "fine-tuned already in", out, flush=True)
+        return {key: done[key] for key in ("steps", "train_seconds", "loss_curve")}
+    resume = args.resume and last_checkpoint(out / CHECKPOINTS) is not None
+    trained = bert_cluster.finetune(
+        original, task, out, resume=resume, overwrite=not resume, data_dir=args.data_dir,
+        save_steps=args.save_steps, **options,
+    )  # fmt: skip
+    return {"steps": trained.steps, "train_seconds": trained.train_seconds, "loss_curve": trained.loss_curve}
+
+
+def resumed(args, settings: dict) -> dict:
+    """The results file to continue (``--resume``), checked to be this command's; else a new document."""
+    if not args.output.exists():
+        if args.resume:
+            raise SystemExit(f"--resume: {args.output} does not exist; run without --resume to start it")
+        return {"settings": settings, "environment": environment(), "tasks": {}}
+    if not args.resume:
+        raise SystemExit(f"{args.output} exists: --resume to continue it, or choose another --output")
+    document = json.loads(args.output.read_text(encoding="utf-8"))
+    earlier = {k: v for k, v in document["settings"].items() if k not in PART_SETTINGS}
+    now = {k: v for k, v in settings.items() if k not in PART_SETTINGS}
+    if earlier != now:
+        changed = {k: (earlier.get(k), now.get(k)) for k in earlier | now if earlier.get(k) != now.get(k)}
+        raise SystemExit(f"--resume: {args.output} was made with other settings: {changed}")
+    document["settings"]["seeds"] = max(document["settings"]["seeds"], args.seeds)
+    document.setdefault("parts", []).append(environment())
+    return document
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, required=True)
     parser.add_argument("--tasks", nargs="+", default=["rte"], choices=sorted(CHECKPOINT))
@@ -56,39 +128,43 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="score the first N dev examples")
     parser.add_argument("--target", type=float, default=0.5)
     parser.add_argument("--data-dir", default="../shared/data")
+    parser.add_argument("--save-steps", type=int, default=50, help="a fine-tuning checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true", help="continue the results file in --output")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--output", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.epochs is None and args.max_steps is None:
         args.epochs = 1.0
-    document: dict = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                      "environment": environment(), "tasks": {}}  # fmt: skip
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    document = resumed(args, settings)
+
+    def save() -> None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.output, lambda path: Path(path).write_text(json.dumps(document, indent=2) + "\n"))
+
     for task in args.tasks:
         original = args.models / CHECKPOINT[task]
-        before = scores(original, task, args.score_clusters, args.data_dir, args.limit)
-        entry = {"checkpoint": str(original), "original": before, "seeds": {}}
+        entry = document["tasks"].get(task)
+        if entry is None:
+            before = scores(original, task, args.score_clusters, args.data_dir, args.limit)
+            entry = document["tasks"][task] = {"checkpoint": str(original), "original": before, "seeds": {}}
+            save()
         print(task, "original", entry["original"]["scores"], flush=True)
         for seed in range(args.seeds):
-            runs = {}
-            for name, exact in (("clustered", False), ("exact", True)):
+            runs = entry["seeds"].setdefault(str(seed), {})
+            for name, exact in ARMS:
+                if name in runs:
+                    continue
                 out = args.work / f"{task}-{name}-seed{seed}"
-                trained = bert_cluster.finetune(
-                    original, task, out, exact=exact, seed=seed, overwrite=True, data_dir=args.data_dir,
-                    attention=None if exact else {"clusters": args.train_clusters}, epochs=args.epochs,
-                    max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                    max_length=args.max_length,
-                )  # fmt: skip
+                trained = fine_tune(original, task, out, exact, seed, args)
                 runs[name] = {
-                    "steps": trained.steps,
-                    "train_seconds": round(trained.train_seconds, 1),
-                    "final_loss": trained.loss_curve[-1]["loss"] if trained.loss_curve else None,
+                    "steps": trained["steps"],
+                    "train_seconds": round(trained["train_seconds"], 1),
+                    "final_loss": trained["loss_curve"][-1]["loss"] if trained["loss_curve"] else None,
                     **scores(out, task, args.score_clusters, args.data_dir, args.limit),
                 }
                 print(task, seed, name, runs[name], flush=True)
-            entry["seeds"][seed] = runs
-        document["tasks"][task] = entry
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.output, lambda path: Path(path).write_text(json.dumps(document, indent=2) + "\n"))
+                save()
     print(json.dumps(document["tasks"], indent=2))
 
 

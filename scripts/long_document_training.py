@@ -8,6 +8,10 @@ SQuAD v1.1 dev as long-document retrieval: the questions of articles 1-24 agains
 no two questions of one article in a batch). Scored on articles 25-48: each question against the 24
 held-out articles (R@1, MRR@10, x 100), each model with the attention it was trained with.
 
+Both runs train without attention dropout (``--attention-dropout``, default 0): torch's CPU flash kernel
+has no dropout, and with it the exact run's SDPA falls back to the math path, which keeps every N x N
+probability for the backward (15.8 GiB for one 4,096-token article; a batch of 4 does not fit in 24 GiB).
+
 Two runs in one process, one after the other, on the same machine and threads: ``exact`` (the model
 unmodified, torch's SDPA) and ``clustered`` (``bert_cluster.convert``'s defaults, or ``--clusters`` /
 ``--mode``). Each trains until the largest budget of training time (evaluation excluded) and keeps a copy
@@ -78,8 +82,9 @@ def split(articles, eval_every: int, length: int) -> tuple[list[tuple[str, str]]
     }
 
 
-def build_model(folder: str | None, cache: str | None):
-    """The proxy as a SentenceTransformer (mean pooling, normalised), built once into the cache."""
+def build_model(folder: str | None, cache: str | None, attention_dropout: float):
+    """The proxy as a SentenceTransformer (mean pooling, normalised), built once into the cache, with the
+    attention dropout both runs train with."""
     from sentence_transformers import SentenceTransformer
 
     if folder is None:
@@ -87,7 +92,8 @@ def build_model(folder: str | None, cache: str | None):
         from bert_cluster.evaluation.proxy import long_position_proxy
 
         folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
-    return SentenceTransformer(folder, device="cpu")
+    config = {"attention_probs_dropout_prob": attention_dropout}
+    return SentenceTransformer(folder, device="cpu", config_kwargs=config)
 
 
 def prepare(model, variant: str, length: int, convert: dict[str, Any]):
@@ -214,7 +220,8 @@ def train(model, pairs, args, variant: str) -> dict[str, Any]:
 
 
 def run_variant(variant: str, pairs, held_out, args) -> dict[str, Any]:
-    model = prepare(build_model(args.minilm_16k, args.cache), variant, args.length, args.convert)
+    model = build_model(args.minilm_16k, args.cache, args.attention_dropout)
+    model = prepare(model, variant, args.length, args.convert)
     print(f"{variant}: scoring the untrained model")
     before = score(model, held_out, args.eval_batch_size)
     trained = train(model, pairs, args, variant)
@@ -298,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="questions (and articles) per step")
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-epochs", type=float, default=100.0, help="a bound; the budgets stop training")
+    parser.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.0,
+        help="both runs' attention dropout (0: torch's CPU flash kernel has none; with it SDPA falls back to "
+        "the math path, which keeps every N x N probability: 15.8 GiB for one 4,096-token article)",
+    )
     parser.add_argument("--clusters", type=int, help="clustered run's C (default: convert's)")
     parser.add_argument("--mode", help="clustered run's mode (default: convert's)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -312,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(b <= 0 for b in args.budgets) or args.length < 2 or args.batch_size < 2 or args.eval_every < 1:
         parser.error("budgets must be positive, --length >= 2, --batch-size >= 2, --eval-every >= 1")
+    if not 0 <= args.attention_dropout < 1:
+        parser.error(f"--attention-dropout must be in [0, 1), got {args.attention_dropout}")
     args.convert = {"backend": "cpu"}
     if args.clusters is not None:
         args.convert["clusters"] = args.clusters
@@ -319,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         args.convert["mode"] = args.mode
 
     import torch
+
+    import bert_cluster
+    from bert_cluster.environment import cpu_name
 
     torch.set_num_threads(args.threads)
     pairs, held_out = split(load_articles(), args.eval_every, args.length)
@@ -336,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": variants,
         "environment": {
             **environment(args.threads),
+            "processor": cpu_name(),
+            "kernels_cpu_isa": bert_cluster.info().get("kernels_cpu_isa"),
             "load_before": load_before,
             "load_after": load_average(),
         },

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 from markdown_it import MarkdownIt
 
@@ -350,3 +351,54 @@ def test_the_recovery_table_averages_seeds_and_marks_the_target():
     assert rows["control: fine-tuned, exact (2 seeds)"][3] == "56.50 ± 0.00 (+1.50)"
     missed = render_results.recovery_table([recovery_result([54.0, 54.9])])
     assert any("54.45 ± 0.64 (-0.55), missed" in line for line in missed)
+
+
+def test_a_recovery_run_in_parts_shows_the_seeds_each_arm_has():
+    """finetune_recovery.py --resume: a seed whose control is still to come counts for its clustered row."""
+    result = recovery_result([54.0, 55.0])
+    seeds = result["tasks"]["rte"]["seeds"]
+    del seeds["1"]["exact"]
+
+    def models() -> list[str]:
+        lines = render_results.recovery_table([result])
+        return [line.split(" | ")[2] for line in lines if line.startswith("| rte")]
+
+    clustered, control = "fine-tuned, C = 10 in the loop", "control: fine-tuned, exact"
+    assert models() == ["checkpoint", f"{clustered} (2 seeds)", f"{control} (one seed)"]
+    result["tasks"]["rte"]["seeds"] = {"0": {"clustered": seeds["0"]["clustered"]}}
+    assert models() == ["checkpoint", f"{clustered} (one seed)"]
+
+
+def long_document_result(exact: list[float], clustered: list[float]) -> dict:
+    """A long_document_training.py results file: R@1 (and MRR@10 = R@1 + 10) at budgets 0, 100, 200 s."""
+
+    def points(values: list[float]) -> list[dict]:
+        return [
+            {"budget": budget, "seconds": float(budget), "step": budget // 10, "R@1": r, "MRR@10": r + 10}
+            for budget, r in zip((0, 100, 200), values, strict=True)
+        ]
+
+    result = {
+        "settings": {"batch_size": 4, "learning_rate": 2e-5, "seed": 0, "length": 4096, "clusters": None,
+                     "mode": None, "attention_dropout": 0.0},
+        "data": {"train_pairs": 5696, "held_out_questions": 4874},
+        "variants": {"exact": {"points": points(exact)}, "clustered": {"points": points(clustered)}},
+        "environment": {"processor": "AMD EPYC", "kernels_cpu_isa": "x86-64-v4", "threads": 2,
+                        "date": "2026-12-05T03:00:00+00:00"},
+    }  # fmt: skip
+    result["verdicts"] = helpers.load_script("long_document_training").verdicts(result)
+    return result
+
+
+def test_the_long_document_table_reads_the_verdicts_off_the_scores():
+    lines = render_results.long_document_training_table([long_document_result([50, 55, 60], [50, 61, 66])])
+    rows = [line.split(" | ") for line in lines[2:5]]  # below the header and its rule
+    assert [row[0] for row in rows] == ["| untrained", "| 100", "| 200"]
+    assert rows[1][1:3] == ["55.0", "**61.0**"] and rows[2][3:5] == ["70.0", "76.0"]
+    caption = lines[-1]
+    assert "at every budget: **yes**" in caption and "reached at 100 s of the exact run's 200 s" in caption
+    assert "target half: **met**" in caption and "AMD EPYC, kernels x86-64-v4, 2 threads" in caption
+    assert "attention dropout 0, seed 0" in caption
+    behind = render_results.long_document_training_table([long_document_result([50, 55, 60], [50, 54, 59])])
+    assert "at every budget: **no**" in behind[-1] and "not reached within the budgets" in behind[-1]
+    assert "target half: **missed**" in behind[-1] and not any("**5" in line for line in behind[:-1])

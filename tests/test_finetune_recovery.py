@@ -1,0 +1,116 @@
+"""scripts/finetune_recovery.py in parts (issue 40, item 2): the results file after every step, ``--resume``
+keeping what it holds and continuing an interrupted fine-tuning, and nothing replaced unasked."""
+
+from __future__ import annotations
+
+import json
+
+import helpers
+import pytest
+from test_finetune import write_train
+
+import bert_cluster
+from bert_cluster.finetuning import FinetuneInterrupted
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recovery")
+    helpers.save_model(root / "models" / "minilm-l6-rte")
+    data = write_train(root / "data")
+    helpers.write_rte(data, helpers.RTE_ROWS)
+    return root
+
+
+def arguments(root, tmp_path, *more: str) -> list[str]:
+    return [
+        "--models", str(root / "models"), "--tasks", "rte", "--data-dir", str(root / "data"),
+        "--train-clusters", "2", "--score-clusters", "2", "--max-steps", "4", "--save-steps", "2",
+        "--batch-size", "8", "--max-length", "32", "--work", str(tmp_path / "work"),
+        "--output", str(tmp_path / "recovery.json"), *more,
+    ]  # fmt: skip
+
+
+class Calls:
+    """bert_cluster.finetune, noting each call's arm, seed and resume flag (and stopping one on request)."""
+
+    def __init__(self, monkeypatch, interrupt_after: int | None = None):
+        self.seen: list[tuple[bool, int, bool]] = []
+        real = bert_cluster.finetune
+
+        def finetune(model, task, output, **options):
+            self.seen.append((options["exact"], options["seed"], options["resume"]))
+            if interrupt_after is not None and not self.seen[1:]:
+                options["callbacks"] = [Stop(interrupt_after)]
+            return real(model, task, output, **options)
+
+        monkeypatch.setattr(bert_cluster, "finetune", finetune)
+
+
+def Stop(step: int):  # noqa: N802 (a TrainerCallback class made on first use: transformers loads late)
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise KeyboardInterrupt
+
+    return StopAt()
+
+
+def test_a_run_in_parts_keeps_what_it_has_and_adds_the_seeds_asked_for(folders, tmp_path, monkeypatch):
+    script = helpers.load_script("finetune_recovery")
+    calls = Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--seeds", "1"))
+    first = json.loads((tmp_path / "recovery.json").read_text())
+    entry = first["tasks"]["rte"]
+    assert set(entry["original"]["scores"]) == {"unmodified", "C=2"}
+    assert set(entry["seeds"]) == {"0"} and set(entry["seeds"]["0"]) == {"clustered", "exact"}
+    assert all(run["steps"] == 4 for run in entry["seeds"]["0"].values())
+    assert calls.seen == [(False, 0, False), (True, 0, False)]
+
+    calls.seen.clear()
+    script.main(arguments(folders, tmp_path, "--seeds", "2", "--resume"))
+    second = json.loads((tmp_path / "recovery.json").read_text())
+    assert calls.seen == [(False, 1, False), (True, 1, False)]  # seed 0 neither trained nor scored again
+    assert second["tasks"]["rte"]["original"] == entry["original"]
+    assert second["tasks"]["rte"]["seeds"]["0"] == entry["seeds"]["0"]
+    assert set(second["tasks"]["rte"]["seeds"]["1"]) == {"clustered", "exact"}
+    assert second["settings"]["seeds"] == 2 and len(second["parts"]) == 1
+
+
+def test_an_interrupted_fine_tuning_continues_from_its_checkpoint(folders, tmp_path, monkeypatch):
+    script = helpers.load_script("finetune_recovery")
+    Calls(monkeypatch, interrupt_after=3)
+    with pytest.raises(FinetuneInterrupted):
+        script.main(arguments(folders, tmp_path))
+    partial = json.loads((tmp_path / "recovery.json").read_text())
+    assert "original" in partial["tasks"]["rte"] and partial["tasks"]["rte"]["seeds"] == {}  # saved before
+
+    monkeypatch.undo()
+    calls = Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--resume"))
+    assert calls.seen == [(False, 0, True), (True, 0, False)]  # from checkpoint-2, the control afresh
+    finished = json.loads((tmp_path / "work" / "rte-clustered-seed0" / "finetune.json").read_text())
+    assert finished["steps"] == 4 and finished["resumed_from"].endswith("checkpoint-2")
+
+
+def test_nothing_is_replaced_unasked_and_a_resume_keeps_the_settings(folders, tmp_path, monkeypatch):
+    script = helpers.load_script("finetune_recovery")
+    output = tmp_path / "recovery.json"
+    with pytest.raises(SystemExit, match="does not exist; run without --resume"):
+        script.main(arguments(folders, tmp_path, "--resume"))
+    output.write_text('{"kept": true}\n')
+    with pytest.raises(SystemExit, match="exists: --resume to continue it"):
+        script.main(arguments(folders, tmp_path))
+    assert output.read_text() == '{"kept": true}\n'
+
+    output.unlink()
+    Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path))
+    before = output.read_text()
+    with pytest.raises(SystemExit, match="other settings.*learning_rate"):
+        script.main(arguments(folders, tmp_path, "--resume", "--learning-rate", "1e-3"))
+    assert output.read_text() == before
