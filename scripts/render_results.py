@@ -1283,6 +1283,12 @@ SPEED_FILES = {
         "bench_attention_zen3/targets_bf16_1.json",
         "bench_attention_zen3/targets_bf16_2.json",
     ),
+    "Xeon with AMX": (
+        "bench_attention_xeon_amx/targets_fp32_1.json",
+        "bench_attention_xeon_amx/targets_fp32_2.json",
+        "bench_attention_xeon_amx/targets_bf16_1.json",
+        "bench_attention_xeon_amx/targets_bf16_2.json",
+    ),
 }
 
 MEASURED: tuple[Table, ...] = (
@@ -1392,10 +1398,43 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "speed-xeon",
         ("bench_attention_targets/overheads_final_1.json", "bench_attention_targets/overheads_final_2.json"),
-        (BENCHMARKS,),
+        (),
         f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
         "--repeats 40 --no-memory --output FILE (two runs)",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
+        superseded_by="speed-xeon-amx",
+    ),
+    Table(
+        "speed-xeon-amx",
+        SPEED_FILES["Xeon with AMX"],
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 40 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "long-xeon-amx",
+        ("long_context_xeon_amx/long_fp32.json", "long_context_xeon_amx/long_bf16.json"),
+        (BENCHMARKS,),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
+        "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
+        long_dtype_table,
+    ),
+    Table(
+        "linears-xeon-amx",
+        ("long_context_xeon_amx/linears_fp32.json", "long_context_xeon_amx/linears_bf16.json"),
+        (BENCHMARKS,),
+        "python scripts/bench_linears.py --dtype fp32|bf16 --long-context "
+        "docs/results/long_context_xeon_amx/long_fp32.json|long_bf16.json --output FILE",
+        linears_table,
+    ),
+    Table(
+        "model-xeon-amx-bf16",
+        ("bench_attention_xeon_amx/model_bf16.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_model.py --threads 2 --repeats 7 --lengths 64 128 256 384 512 --batches 1 8 "
+        "--variants sdpa auto i-clustered --dtype bf16 --output FILE",
+        model_table,
     ),
     Table(
         "speed-xeon-bf16",
@@ -1404,7 +1443,7 @@ MEASURED: tuple[Table, ...] = (
         f"{BENCH} --dtype bf16 --lengths 128 512 4096 {THREE} "
         "--order blocked --repeats 5 --no-memory --output FILE",
         attention_table(["kernel-i-clustered", "kernel-i-clustered+"], by_dtype=False),
-        superseded_by="speed-xeon",
+        superseded_by="speed-xeon-amx",
     ),
     Table(
         "speed-xeon-avx2",
@@ -1457,6 +1496,14 @@ MEASURED: tuple[Table, ...] = (
         (BENCHMARKS,),
         "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
         "--memory-cap-gib 10 --output FILE",
+        peers_table,
+    ),
+    Table(
+        "peers-xeon-amx",
+        ("peers_xeon_amx/bench_peers.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
+        "--memory-cap-gib 10 --openvino-precision default --output FILE",
         peers_table,
     ),
     Table(
@@ -1696,9 +1743,11 @@ CPU_KINDS: tuple[CpuKind, ...] = (
     ),
     CpuKind(
         "xeon-amx",
-        "Intel Xeon with AMX, model not recorded (AVX-512)",
-        attention="speed-xeon",
-        long="long-documents",
+        "Intel Xeon with AMX (AVX-512 BF16, AMX)",
+        attention="speed-xeon-amx",
+        long="long-xeon-amx",
+        peers="peers-xeon-amx",
+        others=("linears-xeon-amx", "model-xeon-amx-bf16", "long-documents"),
     ),
 )
 
@@ -1745,6 +1794,7 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "demo_plus/results.md": ("the full-size demo run's own tables", FIDELITY),
     "demo_plus/scores.png": ("the full-size demo run's plot", FIDELITY),
     "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
+    "peers_xeon_amx/bench_peers.png": ("the plot of the peers-xeon-amx run", BENCHMARKS),
     "bench_training_zen4/training.png": (
         "the plot of the training-call-zen4 and training-step-zen4 runs (bench_training.py --summarise)",
         BENCHMARKS,
