@@ -45,7 +45,18 @@ def scores(model: Path, task: str, clusters: list[int], data_dir: str, limit: in
     if not result.ok:
         raise SystemExit(f"{task}: {result.error}")
     runs = {"unmodified" if run.clusters is None else f"C={run.clusters}": run.scores for run in result.runs}
-    return {"scores": runs, "examples": result.examples, "seconds": round(time.monotonic() - began, 1)}
+    return {
+        "scores": runs,
+        "examples": result.examples,
+        "seconds": round(time.monotonic() - began, 1),
+        "notes": result.notes,  # a checkpoint saved converted: "saved converted", scored unmodified reverted
+    }
+
+
+def rescore_needed(name: str, run: dict) -> bool:
+    """A clustered arm scored before evaluate reverted a checkpoint saved converted (2026-12-05): its
+    "unmodified" score is the saved C's, so it is scored again while its fine-tuning is still in --work."""
+    return name == "clustered" and "notes" not in run
 
 
 #: Settings that may change between the parts of one results file (where the parts run, and how many seeds).
@@ -153,9 +164,20 @@ def main(argv: list[str] | None = None) -> None:
         for seed in range(args.seeds):
             runs = entry["seeds"].setdefault(str(seed), {})
             for name, exact in ARMS:
+                out = args.work / f"{task}-{name}-seed{seed}"
+                if name in runs and rescore_needed(name, runs[name]) and (out / "finetune.json").is_file():
+                    runs[name].update(scores(out, task, args.score_clusters, args.data_dir, args.limit))
+                    print(
+                        task,
+                        seed,
+                        name,
+                        "scored again (unmodified reverted)",
+                        runs[name]["scores"],
+                        flush=True,
+                    )
+                    save()
                 if name in runs:
                     continue
-                out = args.work / f"{task}-{name}-seed{seed}"
                 trained = fine_tune(original, task, out, exact, seed, args)
                 runs[name] = {
                     "steps": trained["steps"],

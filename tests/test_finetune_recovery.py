@@ -114,3 +114,27 @@ def test_nothing_is_replaced_unasked_and_a_resume_keeps_the_settings(folders, tm
     with pytest.raises(SystemExit, match="other settings.*learning_rate"):
         script.main(arguments(folders, tmp_path, "--resume", "--learning-rate", "1e-3"))
     assert output.read_text() == before
+
+
+def test_a_clustered_arm_scored_before_the_revert_fix_is_scored_again(folders, tmp_path, monkeypatch):
+    """A clustered arm without notes was scored "unmodified" as its saved C: --resume scores it again from
+    its fine-tuning in --work (reverted: the notes name the saved settings), training nothing."""
+    script = helpers.load_script("finetune_recovery")
+    Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--seeds", "1"))
+    output = tmp_path / "recovery.json"
+    document = json.loads(output.read_text())
+    arms = document["tasks"]["rte"]["seeds"]["0"]
+    assert arms["clustered"]["notes"]["saved converted"].startswith("i-clustered+ C=2")
+    assert "saved converted" not in arms["exact"]["notes"]
+    scored = arms["clustered"]["scores"]
+    del arms["clustered"]["notes"]
+    arms["clustered"]["scores"] = {"unmodified": {"accuracy": -1.0}}
+    output.write_text(json.dumps(document))
+
+    calls = Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--seeds", "1", "--resume"))
+    again = json.loads(output.read_text())["tasks"]["rte"]["seeds"]["0"]
+    assert calls.seen == []
+    assert again["clustered"]["scores"] == scored and "saved converted" in again["clustered"]["notes"]
+    assert again["exact"] == arms["exact"]

@@ -327,7 +327,11 @@ def recovery_result(clustered_c10: list[float]) -> dict:
 
     seeds = {
         str(seed): {
-            "clustered": {"steps": 156, "scores": scored(56.0, value, 55.5)},
+            "clustered": {
+                "steps": 156,
+                "scores": scored(56.0 + seed, value, 55.5),
+                "notes": {"saved converted": ""},
+            },
             "exact": {"steps": 156, "scores": scored(56.5, 54.0, 56.0)},
         }
         for seed, value in enumerate(clustered_c10)
@@ -367,6 +371,39 @@ def test_a_recovery_run_in_parts_shows_the_seeds_each_arm_has():
     assert models() == ["checkpoint", f"{clustered} (2 seeds)", f"{control} (one seed)"]
     result["tasks"]["rte"]["seeds"] = {"0": {"clustered": seeds["0"]["clustered"]}}
     assert models() == ["checkpoint", f"{clustered} (one seed)"]
+
+
+def test_a_clustered_arm_scored_before_the_revert_fix_has_no_unmodified_cell():
+    """Runs without notes were scored "unmodified" as their saved C = 10 model: left out of that cell only."""
+    result = recovery_result([54.0, 55.0])
+
+    def clustered_row() -> list[str]:
+        lines = render_results.recovery_table([result])
+        assert lines[-1].endswith(render_results.UNREVERTED) == any(
+            "notes" not in seed["clustered"] for seed in result["tasks"]["rte"]["seeds"].values()
+        )
+        return next(line.split(" | ") for line in lines if "in the loop" in line)
+
+    assert clustered_row()[3] == "56.50 ± 0.71 (+1.50)"
+    del result["tasks"]["rte"]["seeds"]["0"]["clustered"]["notes"]
+    row = clustered_row()
+    assert row[3] == "57.00 (+2.00)" and row[4] == "**54.50 ± 0.71 (-0.50)**"  # seed 1 only; C = 10 both
+    del result["tasks"]["rte"]["seeds"]["1"]["clustered"]["notes"]
+    assert clustered_row()[3] == "–"
+
+
+def test_a_recovery_run_in_parts_names_each_machine_and_its_dates():
+    """Parts run on other machines (--resume appends each part's environment): the caption names every CPU
+    and the span of dates, and the seeds the run asks for."""
+    result = recovery_result([54.0])
+    result["settings"]["seeds"] = 1
+    caption = render_results.recovery_table([result])[-1]
+    assert "seed 0;" in caption and "AMD EPYC, 2 threads; 2026-12-04." in caption
+    result["settings"]["seeds"] = 3
+    result["parts"] = [{"hardware": {"cpu": "Intel Xeon", "torch_threads": 2}, "date": "2026-12-06T01:00:00"}]
+    caption = render_results.recovery_table([result])[-1]
+    assert "seeds 0-2;" in caption
+    assert "AMD EPYC, 2 threads; Intel Xeon, 2 threads; 2026-12-04 to 2026-12-06." in caption
 
 
 def long_document_result(exact: list[float], clustered: list[float]) -> dict:

@@ -136,6 +136,23 @@ def attention_backend(config: ClusteredAttentionConfig, device: str) -> str:
         raise UserError(one_line(error)) from None
 
 
+def unpatch(loaded: LoadedModel) -> dict[str, Any] | None:
+    """Revert a checkpoint saved converted, so that "unmodified" means its original attention.
+
+    ``finetune``'s output (or ``convert`` then ``save_pretrained``) reloads converted; scored as loaded, its
+    unmodified run would be its saved clustered settings. Returns those settings (None: not converted); the
+    task's notes name them.
+    """
+    settings = getattr(getattr(loaded.target, "config", None), hf.SETTINGS_KEY, None)
+    if not isinstance(settings, dict):
+        return None
+    hf.revert(loaded.target)
+    mode, clusters = settings.get("mode", "?"), settings.get("clusters", "?")
+    note = f"{mode} C={clusters}, scored unmodified as {settings.get('original_attn_implementation', 'sdpa')}"
+    loaded.extra.setdefault("notes", {})["saved converted"] = note
+    return settings
+
+
 class TaskSession:
     """One task's model and examples, loaded once, and the scoring of any configuration on them."""
 
@@ -164,6 +181,7 @@ class TaskSession:
         self.examples: Examples = self.kind.load_examples(task, list(data_dirs) or None, limit)
         device = self.workers.device(device)
         self.loaded: LoadedModel = self.kind.load_model(model, task, device)
+        self.saved_patched = unpatch(self.loaded)
         positions = self.loaded.max_positions
         if max_length is not None and positions is not None and max_length > positions:
             raise UserError(

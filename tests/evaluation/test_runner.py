@@ -236,6 +236,32 @@ def test_task_session_scores_one_configuration_at_a_time(tiny_cls, tiny_rte):
     assert getattr(session.loaded.model.config, "clustered_attention", None) is None  # reverted
 
 
+def test_a_checkpoint_saved_converted_is_scored_unmodified_as_its_original_attention(
+    tiny_cls, tiny_rte, tmp_path
+):
+    """finetune's output reloads converted: its unmodified run must be its original attention (as the
+    unconverted checkpoint's, bit for bit), not its saved clustered settings, and the notes say so."""
+    import shutil
+
+    import transformers
+
+    import bert_cluster
+
+    saved = tmp_path / "saved-converted"
+    shutil.copytree(tiny_cls, saved)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tiny_cls)
+    bert_cluster.convert(model, clusters=2, topk=1, min_length=0)
+    model.save_pretrained(saved)
+
+    plain = evaluate(tiny_cls, ["rte"], [2], data_dir=tiny_rte, limit=6, batch_size=4)["rte"]
+    converted = evaluate(saved, ["rte"], [2], data_dir=tiny_rte, limit=6, batch_size=4)["rte"]
+    assert converted.ok, converted.error
+    assert converted.runs[0].backend == "sdpa"
+    assert [run.scores for run in converted.runs] == [run.scores for run in plain.runs]
+    assert converted.notes["saved converted"] == "i-clustered+ C=2, scored unmodified as sdpa"
+    assert "saved converted" not in plain.notes
+
+
 def test_model_path_placeholder_and_missing_data(tiny_cls, tmp_path):
     (tmp_path / "tiny-rte").symlink_to(tiny_cls)
     (tmp_path / "data").mkdir()
