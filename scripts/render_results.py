@@ -1672,7 +1672,7 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "finetune-recovery",
         ("finetune_recovery/rte.json", "finetune_recovery/mrpc.json"),
-        (README, FIDELITY, FINETUNE),
+        (FIDELITY, FINETUNE),
         "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds 3 --epochs 1 --max-length L "
         "--data-dir ../shared/data --work DIR --output FILE (rte: L 256; mrpc: 128)",
         recovery_table,
