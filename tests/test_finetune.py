@@ -140,13 +140,21 @@ model, out, data, mode = sys.argv[1:5]
 steps = []
 
 class Steps(TrainerCallback):  # the steps this process ran; in "slow" mode, a second each after step 4
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.began = time.monotonic()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.seconds = time.monotonic() - self.began
+
     def on_step_end(self, args, state, control, **kwargs):
         steps.append(state.global_step)
         if mode == "slow" and state.global_step >= 4:
             time.sleep(1.0)
 
-result = finetune(model, "rte", out, data_dir=data, resume=mode == "resume", callbacks=[Steps()], **ARGUMENTS)
-print(json.dumps({"resumed_from": result.resumed_from, "steps": steps, "loss_curve": result.loss_curve}))
+seen = Steps()
+result = finetune(model, "rte", out, data_dir=data, resume=mode == "resume", callbacks=[seen], **ARGUMENTS)
+print(json.dumps({"resumed_from": result.resumed_from, "steps": steps, "loss_curve": result.loss_curve,
+                  "train_seconds": result.train_seconds, "this_process": seen.seconds}))
 """
 
 
@@ -178,6 +186,10 @@ def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit
     _, error = process.communicate(timeout=30)
     assert landed.is_file(), error.decode()[-2000:]
     assert not (killed / "finetune.json").exists()  # killed mid-run, not after it
+    clocks = {  # each complete checkpoint's training time (the resumed run rotates them away)
+        state.parent.name: json.loads(state.read_text())["stateful_callbacks"]["TrainingClock"]["attributes"]
+        for state in (killed / "checkpoints").glob("checkpoint-*/trainer_state.json")
+    }
     resumed = finish(start(killed, "resume"))
     whole = finish(start(tmp_path / "whole", "plain"))
     assert resumed["resumed_from"] in ("checkpoint-4", "checkpoint-6", "checkpoint-8")
@@ -185,6 +197,13 @@ def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit
     first = int(resumed["resumed_from"].split("-")[1]) + 1
     assert resumed["steps"] == list(range(first, 11))  # only the steps left ran
     assert resumed["loss_curve"] == whole["loss_curve"]
+    # The training time counts both parts: the killed part's to its checkpoint (steps 4 onwards slept a
+    # second each before their checkpoints), and the resumed part's.
+    before = clocks[resumed["resumed_from"]]["seconds_before"]
+    assert before >= first - 4  # steps 4 .. first - 1 slept
+    # The callbacks' begin and end a few microseconds apart from the clock's (measured: under 1e-4 s).
+    assert resumed["train_seconds"] == pytest.approx(before + resumed["this_process"], abs=0.01)
+    assert whole["train_seconds"] == pytest.approx(whole["this_process"], abs=0.01)
     after, reference = (
         load_file(killed / "model.safetensors"),
         load_file(tmp_path / "whole" / "model.safetensors"),

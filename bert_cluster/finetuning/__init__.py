@@ -74,7 +74,7 @@ class FinetuneResult:
     features: int
     source: str
     resumed_from: str | None
-    train_seconds: float
+    train_seconds: float  # over every part of a resumed run (progress.TrainingClock)
     files: dict[str, Path]
 
     def to_dict(self) -> dict[str, Any]:
@@ -392,7 +392,7 @@ def _train(
     import transformers
 
     from bert_cluster import hf
-    from bert_cluster.finetuning.progress import ProgressCallback  # transformers: only when training
+    from bert_cluster.finetuning.progress import ProgressCallback, TrainingClock  # imports transformers
 
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
     model, tokenizer, to_model = _load(source, task)
@@ -445,7 +445,9 @@ def _train(
         raise UserError(f"cannot train with these settings: {one_line(error)}") from None
     label = "exact attention" if config is None else f"{config.mode}, C={config.clusters}"
     label = f"fine-tuning ({label}, {'LoRA' if settings['lora'] else 'full'})"
-    extra = [*callbacks, *([ProgressCallback(reporter, task.name, label)] if reporter is not None else [])]
+    clock = TrainingClock.resuming(resume_from)
+    progress = [ProgressCallback(reporter, task.name, label)] if reporter is not None else []
+    extra = [*callbacks, clock, *progress]
     trainer = transformers.Trainer(
         model=model,
         args=arguments,
@@ -456,7 +458,7 @@ def _train(
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its dicts on stdout: the report
     try:
         with quiet():
-            outcome = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     except KeyboardInterrupt:
         raise FinetuneInterrupted(output, last_checkpoint(checkpoints)) from None
     trained = trainer.model
@@ -482,7 +484,7 @@ def _train(
         features=len(train),
         source=data_source,
         resumed_from=None if resume_from is None else resume_from.name,
-        train_seconds=float(outcome.metrics.get("train_runtime", 0.0)),
+        train_seconds=clock.seconds,
         files={},
     )
     result.files = report.write(result, output)

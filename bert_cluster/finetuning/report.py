@@ -43,7 +43,9 @@ def markdown(result: Any, environment_: dict[str, Any]) -> str:
         f"{'LoRA' if settings['lora'] else 'every weight'}, {result.steps} steps on {result.examples} rows "
         f"({result.features} features) of `{result.source}`"
         + (f", resumed from {result.resumed_from}" if result.resumed_from else "")
-        + f"; {result.train_seconds:.1f} s of training. The checkpoint: `{result.output}`.",
+        + f"; {result.train_seconds:.1f} s of training"
+        + (" (all parts)" if result.resumed_from else "")
+        + f". The checkpoint: `{result.output}`.",
         "",
         *markdown_table(["step", "epoch", "loss"], rows, 0),
         "",
