@@ -29,6 +29,9 @@ namespace {
 enum class Mode { kClustered, kImproved, kImprovedPlus };
 
 constexpr int64_t kPerHeadBytes = int64_t{1} << 20;
+// i-clustered+ on fp16/bf16 heads up to this size widened (float32 queries, keys and values) also runs per
+// head: see run_clustered_heads.
+constexpr int64_t kPerHeadWidenedBytes = int64_t{8} << 20;
 
 // The jobs of every step of one call.
 struct StepJobs {
@@ -90,7 +93,6 @@ HeadsAndPartition run_clustered_heads(const at::Tensor& queries, const at::Tenso
   // per core: per head 1.7x faster at 128 tokens and 1.45x at 512, equal at 2,048 x 32 dims, 5% slower
   // at 8,192 x 32 and 7% at 4,096 x 64).
   const int64_t head_bytes = n * (2 * dk + dv) * static_cast<int64_t>(q.element_size());
-  const bool per_head = rh_count >= at::get_num_threads() && head_bytes <= kPerHeadBytes;
   // fp16/bf16 inputs: a head run in one task is widened to float32 once, into the worker's buffers, and
   // every step reads those rows (the same values, so the same bits: the steps widen in registers exactly
   // so). Read in place, each step widened its own rows again (hashing every query, centroid attention its
@@ -103,6 +105,14 @@ HeadsAndPartition run_clustered_heads(const at::Tensor& queries, const at::Tenso
   const bool plus = mode == Mode::kImprovedPlus;
   const bool narrow = q.scalar_type() != at::kFloat;
   const bool widen_heads = plus && narrow;
+  // Step by step, i-clustered+ widens a fp16/bf16 head twice (its queries for the Lloyd rounds, then its
+  // queries, keys and values for the refinement); per head, once. Up to 8 MiB widened the one widening
+  // pays for the lost step-by-step schedule (12 heads x 64, 2 threads, Xeon with AMX, bf16, interleaved
+  // runs: 14.0 -> 12.4 ms at 4,096 tokens, 27.3 -> 24.4 at 8,192); at 16,384 (12 MiB) it did not
+  // (57 -> 68 ms, medians of 5 noisy runs).
+  const int64_t widened_bytes = n * (2 * dk + dv) * static_cast<int64_t>(sizeof(float));
+  const bool per_head = rh_count >= at::get_num_threads() &&
+                        (head_bytes <= kPerHeadBytes || (widen_heads && widened_bytes <= kPerHeadWidenedBytes));
   const auto i64 = queries.options().dtype(at::kLong);
   const auto f32 = queries.options().dtype(at::kFloat);
   // (R, H, N, Dv) as a view of (R, N, H, Dv) memory: transformers takes attention's output as (B, L, H, D), and

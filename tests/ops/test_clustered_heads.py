@@ -130,6 +130,33 @@ def test_half_inputs_give_the_float32_call_on_their_values(mode: str, dtype: tor
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [3072, 11000])
+def test_large_half_heads_of_i_clustered_plus_give_the_float32_call(n: int, dtype: torch.dtype) -> None:
+    """i-clustered+ on fp16/bf16 heads over 1 MiB: up to 8 MiB widened (3,072 x (64 + 64 + 64) floats:
+    2.3 MiB) they run per head, widened once, and beyond (11,000: 8.1 MiB) step by step
+    (kernels/cpu/pipeline.cpp); either way the call equals the float32 call on the same values bit for bit."""
+    _require_cpu()
+    from bert_cluster import ops
+
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=generator).to(dtype) for _ in range(3))
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, n - 100 :] = False
+    planes, offsets = attention.hash_planes(0, 1, 63, 64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        half = ops.clustered_heads(q, k, v, valid, planes, offsets, 25, 32, 10, "i-clustered+", 2, 0.125)
+        widened = ops.clustered_heads(
+            q.float(), k.float(), v.float(), valid, planes, offsets, 25, 32, 10, "i-clustered+", 2, 0.125
+        )
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(half, widened), f"{float((half - widened).abs().max())}"
+    assert half[:, :, : n - 100].abs().sum() > 0 and half[:, :, n - 100 :].abs().sum() == 0
+
+
 def test_the_cpu_backend_runs_the_fused_op(monkeypatch) -> None:
     """clustered_attention on the CPU kernels goes through clustered_heads, once per row group."""
     _require_cpu()
