@@ -702,7 +702,11 @@ def finetune(
     ] = None,
     learning_rate: Annotated[
         float | None,
-        typer.Option("--learning-rate", "--lr", help="Peak learning rate (default 5e-4 LoRA, 2e-5 full)."),
+        typer.Option(
+            "--learning-rate",
+            "--lr",
+            help="Peak learning rate (default 5e-4 LoRA, 1e-4 LoRA distilling, 2e-5 full).",
+        ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Examples (SQuAD: windows) per step.")] = 16,
     seed: Annotated[
@@ -725,6 +729,17 @@ def finetune(
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Train on the first N rows.")] = None,
     device: DeviceOpt = "cpu",
+    distill: Annotated[
+        float,
+        typer.Option(
+            "--distill",
+            help="Weight (0-1) of the distance to the checkpoint's own outputs with its original attention "
+            "in the loss; 1: trained towards them alone, not the labels (docs/finetune.md).",
+        ),
+    ] = 0.0,
+    distill_temperature: Annotated[
+        float, typer.Option("--distill-temperature", help="Softmax temperature of that distance.")
+    ] = 1.0,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
@@ -776,6 +791,8 @@ def finetune(
                 max_length=max_length,
                 limit=limit,
                 device=device,
+                distill=distill,
+                distill_temperature=distill_temperature,
                 reporter=reporter,
             )
         except FinetuneInterrupted as interrupted:

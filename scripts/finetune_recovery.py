@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import bert_cluster
-from bert_cluster.finetuning import CHECKPOINTS, DEFAULT_LEARNING_RATE, last_checkpoint
+from bert_cluster.finetuning import CHECKPOINTS, default_learning_rate, last_checkpoint
 from bert_cluster.reports import atomic_write, environment
 
 CHECKPOINT = {
@@ -60,8 +60,10 @@ def rescore_needed(name: str, run: dict) -> bool:
 
 
 #: Settings that may change between the parts of one results file (where the parts run, and how many seeds).
-PART_SETTINGS = ("seeds", "resume", "work", "output", "save_steps")
+PART_SETTINGS = ("seeds", "resume", "work", "output", "save_steps", "arms")
 ARMS = (("clustered", False), ("exact", True))
+#: Settings added since the first results files, as those runs had them.
+NEWER_SETTINGS = {"distill": 0.0, "distill_temperature": 1.0}
 
 
 def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args) -> dict:
@@ -76,6 +78,8 @@ def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args
         "batch_size": args.batch_size,
         "learning_rate": args.learning_rate,
         "max_length": args.max_length,
+        "distill": args.distill,
+        "distill_temperature": args.distill_temperature,
     }
     report = out / "finetune.json"
     if args.resume and report.is_file():
@@ -86,12 +90,17 @@ def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args
             "batch_size": args.batch_size,
             "max_steps": args.max_steps,
             "epochs": args.epochs if args.max_steps is None else None,
-            "learning_rate": args.learning_rate or DEFAULT_LEARNING_RATE[True],
+            "learning_rate": args.learning_rate or default_learning_rate(True, args.distill),
             "max_length": args.max_length,
+            "distill": args.distill,
         }
         if not exact:
             expected["clusters"] = args.train_clusters
-        found = {**done["settings"], "clusters": (done["settings"].get("attention") or {}).get("clusters")}
+        found = {
+            "distill": 0.0,
+            **done["settings"],
+            "clusters": (done["settings"].get("attention") or {}).get("clusters"),
+        }
         differ = {key: (found.get(key), value) for key, value in expected.items() if found.get(key) != value}
         if differ:
             raise SystemExit(f"{out} holds a fine-tuning with other settings {differ}; move it")
@@ -114,7 +123,8 @@ def resumed(args, settings: dict) -> dict:
     if not args.resume:
         raise SystemExit(f"{args.output} exists: --resume to continue it, or choose another --output")
     document = json.loads(args.output.read_text(encoding="utf-8"))
-    earlier = {k: v for k, v in document["settings"].items() if k not in PART_SETTINGS}
+    earlier = {**NEWER_SETTINGS, **document["settings"]}
+    earlier = {k: v for k, v in earlier.items() if k not in PART_SETTINGS}
     now = {k: v for k, v in settings.items() if k not in PART_SETTINGS}
     if earlier != now:
         changed = {k: (earlier.get(k), now.get(k)) for k in earlier | now if earlier.get(k) != now.get(k)}
@@ -138,6 +148,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--limit", type=int, default=None, help="score the first N dev examples")
     parser.add_argument("--target", type=float, default=0.5)
+    parser.add_argument(
+        "--distill",
+        type=float,
+        default=0.0,
+        help="both arms: weight of the distance to the checkpoint's own outputs (finetune's distill)",
+    )
+    parser.add_argument("--distill-temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=[name for name, _ in ARMS],
+        choices=[name for name, _ in ARMS],
+        help="the arms to run in this part (with --distill 1 the exact arm starts at its teacher: distance "
+        "0, gradients of float rounding only, which Adam still scales to steps of the learning rate)",
+    )
     parser.add_argument("--data-dir", default="../shared/data")
     parser.add_argument("--save-steps", type=int, default=50, help="a fine-tuning checkpoint every N steps")
     parser.add_argument("--resume", action="store_true", help="continue the results file in --output")
@@ -164,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         for seed in range(args.seeds):
             runs = entry["seeds"].setdefault(str(seed), {})
             for name, exact in ARMS:
+                if name not in args.arms:
+                    continue
                 out = args.work / f"{task}-{name}-seed{seed}"
                 if name in runs and rescore_needed(name, runs[name]) and (out / "finetune.json").is_file():
                     runs[name].update(scores(out, task, args.score_clusters, args.data_dir, args.limit))

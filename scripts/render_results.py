@@ -376,6 +376,8 @@ def recovery_table(results: list[dict]) -> list[str]:
     the checkpoint's unmodified score (bold where met)."""
     settings = results[0]["settings"]
     train_c, target = settings["train_clusters"], settings["target"]
+    distill = settings.get("distill", 0.0)  # results files from before the option: 0
+    trained = "distilled" if distill == 1 else "fine-tuned"
     columns = ["unmodified", *(f"C={c}" for c in settings["score_clusters"])]
     rows = []
     unreverted = False
@@ -392,8 +394,8 @@ def recovery_table(results: list[dict]) -> list[str]:
                     row.append(f"{value:.2f}" + ("" if column == "unmodified" else f" ({value - base:+.2f})"))
                 rows.append(row)
                 for arm, name in (
-                    ("clustered", f"fine-tuned, C = {train_c} in the loop"),
-                    ("exact", "control: fine-tuned, exact"),
+                    ("clustered", f"{trained}, C = {train_c} in the loop"),
+                    ("exact", f"control: {trained}, exact"),
                 ):
                     done = [seed[arm] for seed in seeds if arm in seed]  # a run in parts: some arms to come
                     if not done:
@@ -449,6 +451,16 @@ def recovery_table(results: list[dict]) -> list[str]:
         f"checkpoint's unmodified score (bold: met). {cpus}; "
         f"{dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}."
     )
+    if distill > 0:
+        towards = (
+            "the distance to the checkpoint's own outputs alone (labels unused)"
+            if distill == 1
+            else f"the task loss and, at weight {distill:g}, the distance to the checkpoint's own outputs"
+        )
+        caption += (
+            f" Loss: {towards}, the teacher the checkpoint with exact attention, KL at temperature "
+            f"{settings.get('distill_temperature', 1.0):g}, no dropout in either model (`--distill`)."
+        )
     if unreverted:
         caption += " " + UNREVERTED
     return table(header, "lll" + "r" * (len(header) - 3), rows) + ["", caption]
@@ -1691,6 +1703,14 @@ MEASURED: tuple[Table, ...] = (
         (FINETUNE,),
         "python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 3 --epochs 1 --max-length 256 "
         "--learning-rate 1e-4 --data-dir ../shared/data --work DIR --output FILE",
+        recovery_table,
+    ),
+    Table(
+        "finetune-recovery-rte-distill",
+        ("finetune_recovery/rte_distill.json",),
+        (FIDELITY, FINETUNE),
+        "python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 3 --epochs 1 --max-length 256 "
+        "--learning-rate 1e-4 --distill 1 --data-dir ../shared/data --work DIR --output FILE",
         recovery_table,
     ),
     Table(

@@ -7,7 +7,9 @@ trained on the task's ``train:`` split (``configs/tasks``) with the head's own l
 checkpoints every ``save_steps`` under ``OUT/checkpoints`` and ``resume`` from the last complete one
 (after Ctrl-C or ``kill -9``). ``OUT`` then holds a normal checkpoint, converted (LoRA merged), that
 ``bert-cluster evaluate OUT`` scores, and ``finetune.json`` / ``finetune.md`` / ``loss.png``: the
-settings, the loss curve and the environment.
+settings, the loss curve and the environment. ``distill`` mixes in (or, at 1, replaces the labels with) the
+distance to the unmodified checkpoint's own outputs (``distillation``): the approximation is trained to give
+what the exact attention gives, without training the task further.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ _RESUME_KEYS = (
     "bf16",
     "max_length",
     "limit",
+    "distill",
+    "distill_temperature",
 )
+#: What a resume key was before it existed (a run started by an older version trained with it).
+_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None}
 #: The model class each loss trains (the head computes that loss from the features' labels).
 _HEADS = {
     "cross-entropy": "AutoModelForSequenceClassification",
@@ -60,6 +66,14 @@ _HEADS = {
 }
 DEFAULT_EPOCHS = 3.0
 DEFAULT_LEARNING_RATE = {True: 5e-4, False: 2e-5}  # LoRA (as ../shared/models was trained), full
+#: LoRA's default with ``distill``: 5e-4 overshoots a distance that starts small (RTE at C = 10, 40 steps:
+#: the dev KL to the teacher 0.0122 -> 0.0179 at 5e-4, -> 0.0077 at 1e-4).
+DISTILL_LEARNING_RATE = 1e-4
+
+
+def default_learning_rate(lora: bool, distill: float) -> float:
+    """The learning rate when none is given."""
+    return DISTILL_LEARNING_RATE if lora and distill > 0 else DEFAULT_LEARNING_RATE[lora]
 
 
 @dataclasses.dataclass
@@ -181,15 +195,20 @@ def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwr
         earlier = json.loads((checkpoints / SETTINGS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise UserError(f"cannot resume: {checkpoints / SETTINGS_FILE} is missing or unreadable") from None
-    changed = [key for key in _RESUME_KEYS if earlier.get(key) != settings.get(key)]
+    changed = [
+        key for key in _RESUME_KEYS if earlier.get(key, _RESUME_DEFAULTS.get(key)) != settings.get(key)
+    ]
     if changed:
         shown = ", ".join(f"{key} {earlier.get(key)!r} -> {settings.get(key)!r}" for key in changed)
         raise UserError(f"cannot resume with other settings than the run in {output} ({shown})")
     return found
 
 
-def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None]:
-    """The model with the head ``task``'s loss trains (a fresh one when the checkpoint has none)."""
+def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bool]:
+    """The model with the head ``task``'s loss trains, its tokenizer, the label mapping, the head's origin.
+
+    The last is False where the checkpoint has no such head and the model got a fresh one.
+    """
     import transformers
 
     auto_class = getattr(transformers, _HEADS[task.train.loss])
@@ -222,7 +241,22 @@ def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None]:
         mapping = label_mapping(model.config.id2label or {}, model.config.num_labels, task)
         if mapping is not None:  # model index -> dataset index; the labels need the inverse
             to_model = [mapping.index(index) for index in range(len(mapping))]
-    return model, tokenizer, to_model
+    return model, tokenizer, to_model, has_head
+
+
+def _teacher(source: str, task: TaskConfig) -> Any:
+    """The checkpoint with its original attention, for ``distill`` (reverted when it was saved converted)."""
+    from bert_cluster import hf
+
+    teacher, _, _, has_head = _load(source, task)
+    if not has_head:
+        raise UserError(
+            f"--distill needs a checkpoint with its task head; {source} has none for {task.name} "
+            "(fine-tune it on the labels first, without --distill)"
+        )
+    if isinstance(getattr(teacher.config, hf.SETTINGS_KEY, None), dict):
+        hf.revert(teacher)
+    return teacher
 
 
 def _lora(model: Any, rank: int, alpha: int) -> Any:
@@ -275,6 +309,8 @@ def finetune(
     max_length: int | None = None,
     limit: int | None = None,
     device: str = "cpu",
+    distill: float = 0.0,
+    distill_temperature: float = 1.0,
     reporter: Any = None,
     callbacks: Sequence[Any] = (),
 ) -> FinetuneResult:
@@ -291,7 +327,7 @@ def finetune(
         lora: LoRA (peft, rank ``lora_rank``, alpha ``lora_alpha``) with the head trained fully; False:
             every weight.
         epochs: passes over the train split (default 3); ``max_steps`` instead: optimizer steps.
-        learning_rate: default 5e-4 with LoRA, 2e-5 without.
+        learning_rate: default 5e-4 with LoRA (1e-4 with ``distill``), 2e-5 without.
         batch_size: examples (SQuAD: windows) per step.
         seed: data order, new weights (head, LoRA) and dropout; also the hash planes' seed unless
             ``attention`` sets one.
@@ -301,6 +337,10 @@ def finetune(
         max_length: truncation length (default the task's).
         limit: train on the first N rows of the split.
         device: ``cpu`` or ``cuda[:N]``.
+        distill: weight in [0, 1] of the distance to the checkpoint's own outputs with its original
+            attention (frozen, the teacher) in the loss, ``(1 - distill) * task loss + distill * distance``;
+            1 trains towards the teacher alone (``distillation``). The checkpoint must have the task's head.
+        distill_temperature: the softmax temperature of that distance for classes and spans.
         reporter: progress callbacks (``evaluation.runner.Reporter``: start, task, configuration,
             advance, finish); None: silent.
         callbacks: further ``transformers.TrainerCallback`` objects.
@@ -319,6 +359,11 @@ def finetune(
     limit = _number("limit", limit, int)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise UserError(f"seed must be a non-negative int, got {seed!r}")
+    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not 0 <= distill <= 1:
+        raise UserError(
+            f"distill must be a number from 0 to 1 (the distillation loss's weight), got {distill!r}"
+        )
+    distill_temperature = _number("distill_temperature", distill_temperature, float, allow_none=False)
     if epochs is not None and max_steps is not None:
         raise UserError("give epochs or max_steps, not both")
     if exact and attention:
@@ -344,7 +389,7 @@ def finetune(
         "lora_alpha": lora_alpha if lora else None,
         "epochs": epochs if max_steps is not None else (epochs or DEFAULT_EPOCHS),
         "max_steps": max_steps,
-        "learning_rate": learning_rate or DEFAULT_LEARNING_RATE[lora],
+        "learning_rate": learning_rate or default_learning_rate(lora, distill),
         "batch_size": batch_size,
         "seed": seed,
         "bf16": bf16,
@@ -352,6 +397,8 @@ def finetune(
         "max_length": max_length or task_config.max_length,
         "limit": limit,
         "device": device,
+        "distill": float(distill),
+        "distill_temperature": distill_temperature if distill > 0 else None,
     }
     if settings["max_steps"] is not None:
         settings["epochs"] = None
@@ -394,8 +441,10 @@ def _train(
     from bert_cluster import hf
     from bert_cluster.finetuning.progress import ProgressCallback, TrainingClock  # imports transformers
 
+    # The teacher first, so that the new weights below are a run without distill's (the same seed's).
+    teacher = _teacher(source, task) if settings["distill"] > 0 else None
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
-    model, tokenizer, to_model = _load(source, task)
+    model, tokenizer, to_model, _ = _load(source, task)
     positions = max_positions(model.config)
     if positions is not None and settings["max_length"] > positions:
         raise UserError(
@@ -444,17 +493,32 @@ def _train(
     except (ValueError, ImportError) as error:  # bf16 on hardware without it, for one
         raise UserError(f"cannot train with these settings: {one_line(error)}") from None
     label = "exact attention" if config is None else f"{config.mode}, C={config.clusters}"
-    label = f"fine-tuning ({label}, {'LoRA' if settings['lora'] else 'full'})"
+    label = f"{label}, {'LoRA' if settings['lora'] else 'full'}"
+    if teacher is not None:
+        label = f"{label}, distilled {settings['distill']:g}"
+    label = f"fine-tuning ({label})"
     clock = TrainingClock.resuming(resume_from)
     progress = [ProgressCallback(reporter, task.name, label)] if reporter is not None else []
     extra = [*callbacks, clock, *progress]
-    trainer = transformers.Trainer(
-        model=model,
-        args=arguments,
-        train_dataset=train,
-        data_collator=transformers.DataCollatorWithPadding(tokenizer),
-        callbacks=extra,
-    )
+    common = {
+        "model": model,
+        "args": arguments,
+        "train_dataset": train,
+        "data_collator": transformers.DataCollatorWithPadding(tokenizer),
+        "callbacks": extra,
+    }
+    if teacher is None:
+        trainer = transformers.Trainer(**common)
+    else:
+        from bert_cluster.finetuning.distillation import DistillationTrainer  # imports transformers
+
+        trainer = DistillationTrainer(
+            **common,
+            teacher=teacher,
+            weight=settings["distill"],
+            temperature=settings["distill_temperature"],
+            loss=task.train.loss,
+        )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its dicts on stdout: the report
     try:
         with quiet():
