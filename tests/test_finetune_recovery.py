@@ -138,3 +138,32 @@ def test_a_clustered_arm_scored_before_the_revert_fix_is_scored_again(folders, t
     assert calls.seen == []
     assert again["clustered"]["scores"] == scored and "saved converted" in again["clustered"]["notes"]
     assert again["exact"] == arms["exact"]
+
+
+def test_distill_reaches_each_arm_and_arms_runs_only_those_named(folders, tmp_path, monkeypatch):
+    script = helpers.load_script("finetune_recovery")
+    calls = Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--seeds", "1", "--distill", "1", "--arms", "clustered"))
+    document = json.loads((tmp_path / "recovery.json").read_text())
+    assert calls.seen == [(False, 0, False)]  # the exact arm not run
+    assert set(document["tasks"]["rte"]["seeds"]["0"]) == {"clustered"}
+    trained = json.loads((tmp_path / "work" / "rte-clustered-seed0" / "finetune.json").read_text())
+    assert trained["settings"]["distill"] == 1.0
+    # The other arm in a later part: --arms may change between parts, --distill may not.
+    script.main(arguments(folders, tmp_path, "--seeds", "1", "--distill", "1", "--arms", "exact", "--resume"))
+    assert calls.seen == [(False, 0, False), (True, 0, False)]
+    with pytest.raises(SystemExit, match="other settings"):
+        script.main(arguments(folders, tmp_path, "--seeds", "1", "--resume"))
+
+
+def test_a_results_file_from_before_distill_resumes_as_undistilled(folders, tmp_path, monkeypatch):
+    script = helpers.load_script("finetune_recovery")
+    calls = Calls(monkeypatch)
+    script.main(arguments(folders, tmp_path, "--seeds", "1"))
+    path = tmp_path / "recovery.json"
+    document = json.loads(path.read_text())
+    for key in ("distill", "distill_temperature", "arms"):
+        del document["settings"][key]  # as the files of 2026-12-04 and -05 were written
+    path.write_text(json.dumps(document))
+    script.main(arguments(folders, tmp_path, "--seeds", "2", "--resume"))
+    assert calls.seen[2:] == [(False, 1, False), (True, 1, False)]
