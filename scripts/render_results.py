@@ -1706,11 +1706,12 @@ MEASURED: tuple[Table, ...] = (
         recovery_table,
     ),
     Table(
-        "finetune-recovery-rte-distill",
-        ("finetune_recovery/rte_distill.json",),
+        "finetune-recovery-distill",
+        ("finetune_recovery/rte_distill.json", "finetune_recovery/squad-half_distill.json"),
         (FIDELITY, FINETUNE),
-        "python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 3 --epochs 1 --max-length 256 "
-        "--learning-rate 1e-4 --distill 1 --data-dir ../shared/data --work DIR --output FILE",
+        "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds S --epochs 1 --max-length L "
+        "--learning-rate 1e-4 --distill 1 --data-dir ../shared/data --work DIR --output FILE "
+        "(rte: S 3, L 256; squad-half: S 1, L 384, --arms clustered)",
         recovery_table,
     ),
     Table(
