@@ -1707,11 +1707,15 @@ MEASURED: tuple[Table, ...] = (
     ),
     Table(
         "finetune-recovery-distill",
-        ("finetune_recovery/rte_distill.json", "finetune_recovery/squad-half_distill.json"),
+        (
+            "finetune_recovery/rte_distill.json",
+            "finetune_recovery/mrpc_distill.json",
+            "finetune_recovery/squad-half_distill.json",
+        ),
         (FIDELITY, FINETUNE),
         "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds S --epochs 1 --max-length L "
         "--learning-rate 1e-4 --distill 1 --data-dir ../shared/data --work DIR --output FILE "
-        "(rte: S 3, L 256; squad-half: S 1, L 384, --arms clustered)",
+        "(rte: S 3, L 256; mrpc: S 3, L 128; squad-half: S 1, L 384, --arms clustered)",
         recovery_table,
     ),
     Table(
