@@ -1871,6 +1871,12 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
         FINETUNE,
     ),
     "long_document_training_zen4/training.md": ("that run's own table", FINETUNE),
+    "finetune_recovery/rte_distill_agreement.json": (
+        "KL and class agreement of the finetune-recovery-distill RTE models with the checkpoint's unmodified "
+        "predictions (scripts/prediction_agreement.py)",
+        FINETUNE,
+    ),
+    "finetune_recovery/mrpc_distill_agreement.json": ("the same for MRPC", FINETUNE),
 }
 INDEX = f"{RESULTS}/README.md"
 CHANGELOG = "CHANGELOG.md"
