@@ -1719,6 +1719,15 @@ MEASURED: tuple[Table, ...] = (
         recovery_table,
     ),
     Table(
+        "finetune-recovery-distill-squad",
+        ("finetune_recovery/squad-half_distill_lr5e-4.json",),
+        (FINETUNE,),
+        "python scripts/finetune_recovery.py --models OUT --tasks squad-half --seeds 1 --epochs 1 "
+        "--max-length 384 --learning-rate 5e-4 --distill 1 --arms clustered --data-dir ../shared/data "
+        "--work DIR --output FILE",
+        recovery_table,
+    ),
+    Table(
         "long-document-training",
         ("long_document_training_zen4/training.json",),
         (README, FINETUNE),
