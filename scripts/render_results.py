@@ -475,20 +475,65 @@ UNREVERTED = (
 )
 
 
+def long_document_verdicts(results: list[dict]) -> dict:
+    """The issue's two verdicts on the seeds' mean scores (one run: its own verdicts, as the script wrote
+    them): clustered at least exact at every budget, and exact's final R@1 reached in half its time."""
+    if len(results) == 1:
+        return results[0]["verdicts"]
+
+    def mean_points(variant: str) -> dict[float, dict[str, float]]:
+        runs_points = [r["variants"][variant]["points"] for r in results]
+        budgets = sorted({p["budget"] for points in runs_points for p in points if p["budget"]})
+        out = {}
+        for budget in budgets:
+            points = [p for r in results for p in r["variants"][variant]["points"] if p["budget"] == budget]
+            if len(points) == len(results):
+                out[budget] = {k: statistics.mean(p[k] for p in points) for k in ("R@1", "seconds")}
+        return out
+
+    exact, clustered = mean_points("exact"), mean_points("clustered")
+    final = exact[max(exact)]
+    reached = [p["seconds"] for _, p in sorted(clustered.items()) if p["R@1"] >= final["R@1"]]
+    return {
+        "at_least_exact_at_every_budget": all(
+            clustered[b]["R@1"] >= exact[b]["R@1"] for b in exact if b in clustered
+        ),
+        "exact_final_R@1": final["R@1"],
+        "clustered_seconds_to_exact_final": reached[0] if reached else None,
+        "exact_final_seconds": final["seconds"],
+        "exact_final_within_half_time": bool(reached) and reached[0] <= final["seconds"] / 2,
+    }
+
+
+MEAN_NOTE = " Cells: the mean of the seeds (each seed's). Steps: each seed's."
+
+
 def long_document_training_table(results: list[dict]) -> list[str]:
     """scripts/long_document_training.py: held-out R@1 and MRR@10 of exact and clustered training at each
-    budget of training time, and the paper's two verdicts (bold where met)."""
-    (result,) = results
-    exact = {p["budget"]: p for p in result["variants"]["exact"]["points"]}
-    clustered = {p["budget"]: p for p in result["variants"]["clustered"]["points"]}
+    budget of training time (one run per seed: the mean, then each seed's), and the paper's two verdicts
+    (bold where met)."""
+    by_budget: dict[str, dict[float, list[dict]]] = {"exact": {}, "clustered": {}}
+    for result in results:
+        for variant, points in by_budget.items():
+            for point in result["variants"][variant]["points"]:
+                points.setdefault(point["budget"], []).append(point)
+
+    def cell(points: list[dict], key: str) -> str:
+        if len(points) != len(results):
+            return "-"
+        values = [p[key] for p in points]
+        if len(values) == 1:
+            return f"{values[0]:.1f}"
+        return f"{statistics.mean(values):.1f} ({joined([f'{v:.1f}' for v in values])})"
+
+    def mean(points: list[dict], key: str) -> float | None:
+        return statistics.mean(p[key] for p in points) if len(points) == len(results) else None
+
     rows = []
-    for budget in sorted(set(exact) | set(clustered)):
-        e, c = exact.get(budget, {}), clustered.get(budget, {})
-
-        def cell(row: dict, key: str) -> str:
-            return f"{row[key]:.1f}" if key in row else "-"
-
-        ahead = "R@1" in e and "R@1" in c and budget and c["R@1"] >= e["R@1"]
+    for budget in sorted(set(by_budget["exact"]) | set(by_budget["clustered"])):
+        e, c = by_budget["exact"].get(budget, []), by_budget["clustered"].get(budget, [])
+        ahead = budget and None not in (mean(e, "R@1"), mean(c, "R@1")) and mean(c, "R@1") >= mean(e, "R@1")
+        steps = [f"{p['step']}" for p in e] + [f"{p['step']}" for p in c]
         rows.append(
             [
                 "untrained" if not budget else f"{budget:,.0f}",
@@ -496,14 +541,18 @@ def long_document_training_table(results: list[dict]) -> list[str]:
                 f"**{cell(c, 'R@1')}**" if ahead else cell(c, "R@1"),
                 cell(e, "MRR@10"),
                 cell(c, "MRR@10"),
-                f"{e.get('step', '-')} / {c.get('step', '-')}",
+                f"{', '.join(steps[: len(e)]) or '-'} / {', '.join(steps[len(e) :]) or '-'}",
             ]
         )
     header = ["training time (s)", "exact R@1", "clustered R@1", "exact MRR@10", "clustered MRR@10", "steps"]
-    settings, verdicts = result["settings"], result["verdicts"]
+    result = results[0]
+    settings = result["settings"]
+    verdicts = long_document_verdicts(results)
     every = verdicts["at_least_exact_at_every_budget"]
     reached = verdicts["clustered_seconds_to_exact_final"]
-    final_seconds = max(p["seconds"] for p in result["variants"]["exact"]["points"])
+    final_seconds = verdicts.get(
+        "exact_final_seconds", max(p["seconds"] for p in result["variants"]["exact"]["points"])
+    )
     half = (
         f"reached at {reached:,.0f} s of the exact run's {final_seconds:,.0f} s"
         if reached is not None
@@ -514,21 +563,97 @@ def long_document_training_table(results: list[dict]) -> list[str]:
     attention = ", ".join(f"{k} {v}" for k, v in convert.items()) or "convert's defaults"
     environment = result["environment"]
     machine = environment.get("processor", "CPU not recorded")
+    per_article = settings.get("questions_per_article", 1)  # runs before the option: one question
+    negatives = RECIPE_NEGATIVES[settings.get("negatives", "in-batch")]
+    seeds = [r["settings"]["seed"] for r in results]
+    several = len(results) > 1
+    seeds_text = f"seeds {', '.join(map(str, seeds))}" if several else f"seed {seeds[0]}"
+    per_seed = ""
+    if several:
+        per_seed = (
+            " Each seed's own verdicts: "
+            + "; ".join(
+                f"seed {r['settings']['seed']}: every budget "
+                f"{'yes' if r['verdicts']['at_least_exact_at_every_budget'] else 'no'}, half "
+                f"{'met' if r['verdicts']['exact_final_within_half_time'] else 'missed'}"
+                for r in results
+            )
+            + "."
+        )
+    dates = sorted({r["environment"]["date"][:10] for r in results})
     caption = (
-        f"MiniLM-16k proxy, contrastive training (in-batch negatives, batch {settings['batch_size']}, "
+        f"MiniLM-16k proxy, contrastive training ({negatives}, batch {settings['batch_size']} articles "
+        f"with {per_article} question{'s' if per_article > 1 else ''} each, "
         f"learning rate {settings['learning_rate']:g}, attention dropout "
-        f"{settings.get('attention_dropout', 0.1):g}, seed {settings['seed']}) on the questions of SQuAD "
+        f"{settings.get('attention_dropout', 0.1):g}, {seeds_text}) on the questions of SQuAD "
         f"v1.1 dev articles 1-24 against their article cut at {settings['length']:,} tokens "
         f"({result['data']['train_pairs']:,} pairs); scored on articles 25-48 "
         f"({result['data']['held_out_questions']:,} questions against 24 articles), each model with the "
         f"attention it was trained with (clustered: {attention}). Both runs in one process, one after the "
-        f"other, same seed and data order; training time excludes scoring. Bold: clustered at least exact. "
+        f"other, same seed and data order; training time excludes scoring."
+        f"{MEAN_NOTE if several else ''}"
+        f" Bold: clustered at least exact{' (means)' if several else ''}. "
         f"Clustered at least exact at every budget: **{'yes' if every else 'no'}**; the exact run's final "
-        f"R@1 ({verdicts['exact_final_R@1']:.1f}) {half}, target half: **{met}**. {machine}, "
+        f"R@1 ({verdicts['exact_final_R@1']:.1f}) {half}, target half: **{met}**.{per_seed} {machine}, "
         f"kernels {environment.get('kernels_cpu_isa', '?')}, {environment['threads']} threads; "
-        f"{environment['date'][:10]}."
+        f"{' to '.join(dates) if len(dates) > 1 else dates[0]}."
     )
     return table(header, "rrrrrr", rows) + ["", caption]
+
+
+#: What a question is scored against in scripts/long_document_training.py's loss (--negatives).
+RECIPE_NEGATIVES = {
+    "in-batch": "in-batch negatives",
+    "bank": "in-batch negatives and the other training articles' last embeddings",
+}
+
+
+def long_document_recipes_table(results: list[dict]) -> list[str]:
+    """scripts/long_document_training.py's short exact runs, one per training recipe: does the held-out R@1
+    move at all with training? (The claim can only show where training improves the model.)"""
+    rows = []
+    budgets: list[float] = []
+    for result in results:
+        settings = result["settings"]
+        run = result["variants"]["exact"]
+        points = {p["budget"]: p for p in run["points"]}
+        budgets = sorted(b for b in points if b)
+        curve = [c["loss"] for c in run["curve"]]
+        per_article = settings.get("questions_per_article", 1)
+        negatives = settings.get("negatives", "in-batch")
+        others = settings["batch_size"] - 1
+        if negatives == "bank":
+            others = TRAIN_ARTICLES_24 - 1
+        rows.append(
+            [
+                f"{per_article} / {negatives}",
+                f"{settings['batch_size'] * per_article}",
+                f"{others}",
+                f"{settings['learning_rate']:g}",
+                *(f"{points[b]['R@1']:.1f}" for b in [0, *budgets]),
+                str(points[budgets[-1]]["step"]),
+                f"{sum(curve[:10]) / 10:.3f} / {sum(curve[-10:]) / 10:.3f}",
+            ]
+        )
+    header = ["questions per article / negatives", "questions per step", "negatives per question", "lr"]
+    header += ["R@1 untrained", *(f"R@1 at {b:,.0f} s" for b in budgets)]
+    header += ["steps", "loss (first / last 10 steps)"]
+    first = results[0]
+    environment = first["environment"]
+    caption = (
+        f"Exact attention only: the MiniLM-16k proxy trained contrastively on the questions of SQuAD v1.1 "
+        f"dev articles 1-24 against their article cut at {first['settings']['length']:,} tokens, batch "
+        f"{first['settings']['batch_size']} articles, seed {first['settings']['seed']}; held-out R@1 on "
+        f"every {first['settings']['eval_every']}th question of articles 25-48 "
+        f"({first['data']['held_out_questions']:,} questions against 24 articles). "
+        f"{environment.get('processor', 'CPU not recorded')}, {environment['threads']} threads; "
+        f"{environment['date'][:10]}."
+    )
+    return table(header, "lrrr" + "r" * (len(budgets) + 1) + "rr", rows) + ["", caption]
+
+
+#: The training articles of scripts/long_document_training.py (SQuAD v1.1 dev articles 1-24).
+TRAIN_ARTICLES_24 = 24
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1728,12 +1853,37 @@ MEASURED: tuple[Table, ...] = (
         recovery_table,
     ),
     Table(
-        "long-document-training",
+        "long-document-training-zen4",
         ("long_document_training_zen4/training.json",),
-        (README, FINETUNE),
-        "python scripts/long_document_training.py --budgets 600 1200 2400 --minilm-16k OUT/minilm-l6-16k "
-        "--output FILE",
+        (),
+        "python scripts/long_document_training.py --budgets 600 1200 2400 --questions-per-article 1 "
+        "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+        superseded_by="long-document-training",
+    ),
+    Table(
+        "long-document-training",
+        (
+            "long_document_training_xeon_amx/training.json",
+            "long_document_training_xeon_amx/training_seed1.json",
+        ),
+        (README, FINETUNE),
+        "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0|1 "
+        "--minilm-16k OUT/minilm-l6-16k --output FILE",
+        long_document_training_table,
+    ),
+    Table(
+        "long-document-training-recipes",
+        (
+            "long_document_training_xeon_amx/recipe_1_in-batch.json",
+            "long_document_training_xeon_amx/recipe_16_in-batch.json",
+            "long_document_training_xeon_amx/recipe_16_bank.json",
+        ),
+        (FINETUNE,),
+        "python scripts/long_document_training.py --variants exact --length 1024 --budgets 100 200 400 "
+        "--eval-every 4 --eval-batch-size 8 --questions-per-article 1|16 --negatives in-batch|bank "
+        "--minilm-16k OUT/minilm-l6-16k --output FILE",
+        long_document_recipes_table,
     ),
     Table(
         "training-call-zen4",
@@ -1876,10 +2026,15 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "fidelity_glue25_default/results.md": ("that run's own tables", FIDELITY),
     "fidelity_glue25_default/scores.png": ("that run's plot", FIDELITY),
     "long_document_training_zen4/training.png": (
+        "the plot of the long-document-training-zen4 run: training loss and held-out R@1 against time",
+        "CHANGELOG.md",
+    ),
+    "long_document_training_zen4/training.md": ("that run's own table", "CHANGELOG.md"),
+    "long_document_training_xeon_amx/training.png": (
         "the plot of the long-document-training run: training loss and held-out R@1 against training time",
         FINETUNE,
     ),
-    "long_document_training_zen4/training.md": ("that run's own table", FINETUNE),
+    "long_document_training_xeon_amx/training.md": ("that run's own table", FINETUNE),
     "finetune_recovery/rte_distill_agreement.json": (
         "KL and class agreement of the finetune-recovery-distill RTE models with the checkpoint's unmodified "
         "predictions (scripts/prediction_agreement.py)",

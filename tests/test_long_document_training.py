@@ -84,3 +84,66 @@ def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
     assert result["verdicts"] == script.verdicts(result)
     assert output.with_suffix(".md").read_text().count("\n") == 5  # header, rule, budgets 0, 1, 2
     assert output.with_suffix(".png").stat().st_size > 0
+
+
+def test_each_row_holds_questions_of_one_article_and_every_question_is_used():
+    script = _script()
+    pairs = [(f"q{a}-{i}", f"article {a}") for a in range(3) for i in range(7 + a)]
+    rows = script.article_rows(pairs, questions_per_article=4, seed=0)
+    columns = rows["columns"]
+    assert list(columns) == ["question_0", "question_1", "question_2", "question_3", "article", "label"]
+    asked = {(q, d) for q, d in pairs}
+    seen = set()
+    for r, article in enumerate(columns["article"]):
+        questions = [columns[f"question_{j}"][r] for j in range(4)]
+        assert len(set(questions)) == 4 and all((q, article) in asked for q in questions)
+        assert rows["documents"][columns["label"][r]] == article
+        seen.update(questions)
+    assert seen == {q for q, _ in pairs}
+    assert len(columns["article"]) == 2 + 2 + 3  # ceil(7/4), ceil(8/4) and ceil(9/4) rows
+    assert script.article_rows(pairs, 4, seed=0) == rows and script.article_rows(pairs, 4, seed=1) != rows
+
+
+def _features(model, texts):
+    return model.preprocess(texts)
+
+
+def test_the_loss_with_one_question_per_article_is_sentence_transformers_in_batch_loss(tmp_path):
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    model = SentenceTransformer(str(save_sentence_transformer(tmp_path / "st")), device="cpu").eval()
+    questions = ["who won the cup", "where is the river", "when was it built"]
+    articles = ["the cup final was won by", "a river runs through the town", "the tower was built in"]
+    features = [_features(model, questions), _features(model, articles)]
+    labels = torch.tensor([0, 1, 2])
+    ours = _script().article_retrieval_loss(model, articles, bank=False)(features, labels)
+    theirs = MultipleNegativesRankingLoss(model)(features, labels)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert ours > 0
+
+
+def test_the_bank_adds_the_other_training_articles_as_negatives_and_keeps_their_last_embedding(tmp_path):
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(save_sentence_transformer(tmp_path / "st")), device="cpu").eval()
+    documents = [f"article number {i} about topic {i * 7}" for i in range(6)]
+    questions = [["what is topic 0"], ["what is topic 14"]]
+    batch = [0, 2]
+    features = [_features(model, [q[0] for q in questions]), _features(model, [documents[i] for i in batch])]
+    labels = torch.tensor(batch)
+    with torch.no_grad():
+        plain = _script().article_retrieval_loss(model, documents, bank=False)(features, labels)
+        banked_loss = _script().article_retrieval_loss(model, documents, bank=True)
+        banked = banked_loss(features, labels)
+        embeddings = model.encode(documents, convert_to_tensor=True, normalize_embeddings=True)
+        scores = (
+            20
+            * model.encode([q[0] for q in questions], convert_to_tensor=True)
+            @ torch.cat([embeddings[batch], embeddings[[1, 3, 4, 5]]]).T
+        )
+    torch.testing.assert_close(banked, torch.nn.functional.cross_entropy(scores, torch.tensor([0, 1])))
+    assert banked > plain  # four more negatives
+    torch.testing.assert_close(banked_loss.bank, embeddings, rtol=1e-5, atol=1e-6)

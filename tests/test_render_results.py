@@ -439,3 +439,22 @@ def test_the_long_document_table_reads_the_verdicts_off_the_scores():
     behind = render_results.long_document_training_table([long_document_result([50, 55, 60], [50, 54, 59])])
     assert "at every budget: **no**" in behind[-1] and "not reached within the budgets" in behind[-1]
     assert "target half: **missed**" in behind[-1] and not any("**5" in line for line in behind[:-1])
+
+
+def test_the_long_document_table_of_several_seeds_shows_their_mean_and_judges_it():
+    first = long_document_result([50, 55, 60], [50, 61, 59])  # behind at 200 s on its own
+    second = long_document_result([50, 55, 60], [50, 63, 65])
+    second["settings"]["seed"] = 1
+    assert first["verdicts"]["at_least_exact_at_every_budget"] is False
+    lines = render_results.long_document_training_table([first, second])
+    rows = [line.split(" | ") for line in lines[2:5]]
+    assert rows[1][1:3] == ["55.0 (55.0 / 55.0)", "**62.0 (61.0 / 63.0)**"]
+    assert rows[2][2] == "**62.0 (59.0 / 65.0)**" and rows[2][5] == "20, 20 / 20, 20 |"
+    caption = lines[-1]
+    assert "seeds 0, 1)" in caption and "at every budget: **yes**" in caption
+    assert "reached at 100 s of the exact run's 200 s, target half: **met**" in caption
+    assert "seed 0: every budget no, half met; seed 1: every budget yes, half met." in caption
+    worse = long_document_result([50, 55, 60], [50, 50, 58])
+    worse["settings"]["seed"] = 1
+    behind = render_results.long_document_training_table([first, worse])[-1]
+    assert "at every budget: **no**" in behind and "not reached within the budgets" in behind
