@@ -27,6 +27,8 @@ exact run's time. Writes JSON, a Markdown table and a plot (loss and R@1 against
     python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 \\
         --output docs/results/long_document_training_xeon_amx/training.json
     python scripts/long_document_training.py --budgets 60 120 --length 1024 --eval-every 4   # a short try
+    python scripts/long_document_training.py --plot-seeds training.json training_seed1.json ... \\
+        --output docs/results/long_document_training_xeon_amx/seeds.png   # every seed in one figure
 """
 
 from __future__ import annotations
@@ -363,6 +365,63 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def _at(result: dict[str, Any], variant: str) -> dict[float, dict[str, Any]]:
+    return {p["budget"]: p for p in result["variants"][variant]["points"]}
+
+
+def differences_at_budgets(results: list[dict[str, Any]]) -> dict[float, list[float]]:
+    """Clustered R@1 minus exact R@1 at each budget every run reached, one value per run (seed)."""
+    shared = set.intersection(*(set(_at(r, v)) for r in results for v in VARIANTS)) - {0}
+    return {
+        b: [_at(r, "clustered")[b]["R@1"] - _at(r, "exact")[b]["R@1"] for r in results]
+        for b in sorted(shared)
+    }
+
+
+def plot_seeds(results: list[dict[str, Any]], path: Path) -> None:
+    """Several seeds' runs in one figure: held-out R@1 against training time (each seed thin, the mean at
+    each budget thick) and, per budget, clustered minus exact for each seed and their mean."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"exact": "tab:blue", "clustered": "tab:orange"}
+    differences = differences_at_budgets(results)
+    figure, (scores, gaps) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, colour in colours.items():
+        for result in results:
+            points = result["variants"][variant]["points"]
+            scores.plot([p["seconds"] for p in points], [p["R@1"] for p in points], color=colour, alpha=0.25)
+        means = [[_at(r, variant)[b] for r in results] for b in [0, *differences]]
+        scores.plot(
+            [statistics.mean(p["seconds"] for p in group) for group in means],
+            [statistics.mean(p["R@1"] for p in group) for group in means],
+            color=colour, marker="o", linewidth=2.5, label=f"{variant}, mean of {len(results)} seeds",
+        )  # fmt: skip
+    budgets = list(differences)
+    for index, result in enumerate(results):
+        seed = result["settings"]["seed"]
+        colour = plt.get_cmap("tab10")(2 + index % 8)  # not the variants' blue and orange
+        gaps.plot(budgets, [d[index] for d in differences.values()], marker=".", color=colour, alpha=0.6,
+                  label=f"seed {seed}")  # fmt: skip
+    mean = [statistics.mean(d) for d in differences.values()]
+    gaps.plot(budgets, mean, color="black", marker="o", linewidth=2.5, label="mean")
+    gaps.axhline(0, color="grey", linewidth=1)
+    scores.set(xlabel="training time (s)", ylabel="held-out R@1", title="articles 25-48")
+    gaps.set(xlabel="training budget (s)", ylabel="clustered R@1 - exact R@1 (points)", title="at equal time")
+    for axes in (scores, gaps):
+        axes.legend(fontsize=8)
+        axes.grid(alpha=0.3)
+    length = results[0]["settings"]["length"]
+    figure.suptitle(f"MiniLM-16k proxy, {length:,} tokens: exact vs clustered training, every seed")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -399,7 +458,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minilm-16k", help="a built minilm-l6-16k folder (../shared/models/build.py)")
     parser.add_argument("--work", default="results/long_document_training_work", help="trainer scratch")
     parser.add_argument("--output", type=Path, default=Path("results/long_document_training.json"))
+    parser.add_argument(
+        "--plot-seeds",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="train nothing: plot these runs (one per seed, same budgets) to --output (a .png)",
+    )
     args = parser.parse_args(argv)
+    if args.plot_seeds:
+        if args.output.suffix != ".png":
+            parser.error(f"--plot-seeds writes a .png: give --output FILE.png, got {args.output}")
+        missing = [str(path) for path in args.plot_seeds if not path.is_file()]
+        if missing:
+            parser.error(f"no such results file: {', '.join(missing)}")
+        results = [json.loads(path.read_text(encoding="utf-8")) for path in args.plot_seeds]
+        incomplete = [
+            str(p)
+            for p, r in zip(args.plot_seeds, results, strict=True)
+            if set(VARIANTS) - set(r["variants"])
+        ]
+        if incomplete:
+            parser.error(f"these runs lack an exact or a clustered run: {', '.join(incomplete)}")
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        plot_seeds(results, args.output)
+        print(f"wrote {args.output}")
+        return 0
     if (
         any(b <= 0 for b in args.budgets)
         or min(args.length, args.batch_size) < 2

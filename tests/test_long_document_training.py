@@ -147,3 +147,42 @@ def test_the_bank_adds_the_other_training_articles_as_negatives_and_keeps_their_
     torch.testing.assert_close(banked, torch.nn.functional.cross_entropy(scores, torch.tensor([0, 1])))
     assert banked > plain  # four more negatives
     torch.testing.assert_close(banked_loss.bank, embeddings, rtol=1e-5, atol=1e-6)
+
+
+def _seeded(seed: int, exact: list[tuple[float, float]], clustered: list[tuple[float, float]]) -> dict:
+    result = _result(exact, clustered)
+    result["settings"] = {"seed": seed, "length": 4096}
+    return result
+
+
+def test_the_seeds_plot_shows_clustered_minus_exact_at_the_budgets_every_seed_reached(tmp_path):
+    script = _script()
+    runs = [
+        _seeded(0, [(100, 20.0), (200, 30.0)], [(100, 19.0), (200, 33.0)]),
+        _seeded(1, [(100, 22.0), (200, 31.0), (400, 32.0)], [(100, 23.0), (200, 30.0), (400, 35.0)]),
+    ]
+    # 400 s was reached by one seed only: it is left out, not averaged over one run
+    assert script.differences_at_budgets(runs) == {100: [-1.0, 1.0], 200: [3.0, -1.0]}
+    files = []
+    for index, run in enumerate(runs):
+        files.append(tmp_path / f"seed{index}.json")
+        files[-1].write_text(json.dumps(run))
+    output = tmp_path / "plots" / "seeds.png"
+    assert script.main(["--plot-seeds", *map(str, files), "--output", str(output)]) == 0
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_seeds_plot_refuses_a_run_without_both_variants_and_a_non_png_output(tmp_path, capsys):
+    script = _script()
+    run = _seeded(0, [(100, 20.0)], [(100, 21.0)])
+    del run["variants"]["clustered"]
+    path = tmp_path / "exact_only.json"
+    path.write_text(json.dumps(run))
+    for output, message in [
+        ("seeds.png", "lack an exact or a clustered run"),
+        ("seeds.json", "writes a .png"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            script.main(["--plot-seeds", str(path), "--output", str(tmp_path / output)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+        assert not (tmp_path / output).exists()
