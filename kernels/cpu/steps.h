@@ -106,8 +106,8 @@ void broadcast_cluster_heads(const float* centroid_values, const int64_t* assign
 // --- lloyd_refine (lloyd.cpp): one (row, head), float32 queries
 
 struct LloydScratch {
-  Floats qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros;
-  std::vector<const float*> rows;
+  Floats qt, chunk, sums, next, next_counts, bias, upper, lower, qnorm, moved, zeros, means_t;
+  std::vector<const float*> rows, mean_rows;
   std::vector<int64_t> todo;
   std::vector<uint8_t> recompute;
 };
