@@ -1449,6 +1449,12 @@ SPEED_FILES = {
         "bench_attention_zen3/targets_bf16_1.json",
         "bench_attention_zen3/targets_bf16_2.json",
     ),
+    "Zen 1": (
+        "bench_attention_zen1/targets_fp32_1.json",
+        "bench_attention_zen1/targets_fp32_2.json",
+        "bench_attention_zen1/targets_bf16_1.json",
+        "bench_attention_zen1/targets_bf16_2.json",
+    ),
     "Xeon with AMX": (
         "bench_attention_xeon_amx/targets_fp32_1.json",
         "bench_attention_xeon_amx/targets_fp32_2.json",
@@ -1529,6 +1535,22 @@ MEASURED: tuple[Table, ...] = (
         "python scripts/bench_linears.py --dtype fp32|bf16 --long-context "
         "docs/results/long_context_zen3/long_fp32.json|long_bf16.json --output FILE",
         linears_table,
+    ),
+    Table(
+        "speed-zen1",
+        SPEED_FILES["Zen 1"],
+        (BENCHMARKS,),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+    ),
+    Table(
+        "long-zen1",
+        ("long_context_zen1/long_fp32.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
+        "--documents 2 --no-memory --dtype fp32 --output FILE",
+        long_dtype_table,
     ),
     Table(
         "model-emerald-bf16",
@@ -1963,6 +1985,12 @@ CPU_KINDS: tuple[CpuKind, ...] = (
         attention="speed-zen3",
         long="long-zen3",
         others=("speed-zen3-mixed", "linears-zen3"),
+    ),
+    CpuKind(
+        "zen1",
+        "AMD EPYC Zen 1 (AVX2)",
+        attention="speed-zen1",
+        long="long-zen1",
     ),
     CpuKind(
         "xeon-amx",
