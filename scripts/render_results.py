@@ -1553,6 +1553,14 @@ MEASURED: tuple[Table, ...] = (
         long_dtype_table,
     ),
     Table(
+        "linears-zen1",
+        ("long_context_zen1/linears_fp32.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_linears.py --dtype fp32 --long-context "
+        "docs/results/long_context_zen1/long_fp32.json --output FILE",
+        linears_table,
+    ),
+    Table(
         "model-emerald-bf16",
         ("bench_model_emerald_bf16.json",),
         (BENCHMARKS,),
@@ -1991,6 +1999,7 @@ CPU_KINDS: tuple[CpuKind, ...] = (
         "AMD EPYC Zen 1 (AVX2)",
         attention="speed-zen1",
         long="long-zen1",
+        others=("linears-zen1",),
     ),
     CpuKind(
         "xeon-amx",

@@ -202,11 +202,46 @@ void refine_members(int count, const float* const* q, float* const* out, const C
 // key_mean[d] -= the sum of feature d over the kv rows, and half_var[d] -= the sum of its squares, from
 // the rows themselves (dk a multiple of 16): bit for bit the sums over the transposed keys in
 // gather_top_keys (key j joins lane j % 16's chain in key order; the 16 chains are added in hsum's
-// order, lane-wise here), without its 2 dk hsums, a third of this op's own time at 128 tokens. Below
-// AVX-512 only for the clusters scored from their rows: 16 accumulators take 32 AVX2 registers
-// (i-clustered+ at 512 tokens, one thread: 3.59 -> 3.45 ms with AVX-512, 5.24 -> 5.49 with AVX2).
+// order, lane-wise here), without its 2 dk hsums, a third of this op's own time at 128 tokens
+// (i-clustered+ at 512 tokens, one thread: 3.59 -> 3.45 ms with AVX-512). With AVX2 the 16 chains of the
+// AVX-512 form took 32 of 16 registers and made it slower (5.24 -> 5.49 ms); its own form below does not.
 void subtract_row_stats(const float* const* rows, int64_t kv, int64_t dk, float* __restrict key_mean,
                         float* __restrict half_var) {
+#if BC_NATIVE_BYTES == 32
+  // AVX2: 8 features at a time, sums and squares in one pass over the rows, and tree_sum16's levels taken
+  // as soon as their two terms exist (chains t and t + 8, then pairs 4 and 2 apart), so that a few
+  // registers hold what 16 chains of 16 lanes would (32 of AVX2's 16 registers: they spilled, and
+  // i-clustered+ at 128 tokens, where most clusters are scored from their rows, spent 9.6% of a call in
+  // gather_top_keys on a Zen 1). The same additions in the same order: the same bits.
+  using Part = f32x16::Part;
+  auto load8 = [](const float* p) {
+    Part v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  struct Sums {
+    Part sum, squares;
+    Sums operator+(const Sums& o) const { return {sum + o.sum, squares + o.squares}; }
+  };
+  for (int64_t d0 = 0; d0 < dk; d0 += kLanes / 2) {
+    auto chain = [&](int64_t t) {  // rows t, t + 16, ... in order, from zero
+      Sums acc{Part{}, Part{}};
+      for (int64_t j = t; j < kv; j += kLanes) {
+        const Part x = load8(rows[j] + d0);
+        acc.sum = acc.sum + x;
+        acc.squares = acc.squares + x * x;
+      }
+      return acc;
+    };
+    auto first = [&](int t) { return chain(t) + chain(t + 8); };  // tree_sum16's b[t], t < 8
+    auto second = [&](int t) { return first(t) + first(t + 4); };  // then b[t] + b[t + 4], t < 4
+    auto third = [&](int t) { return second(t) + second(t + 2); };  // then t < 2
+    const Sums total = third(0) + third(1);
+    const Part mean = load8(key_mean + d0) - total.sum, var = load8(half_var + d0) - total.squares;
+    std::memcpy(key_mean + d0, &mean, sizeof(mean));
+    std::memcpy(half_var + d0, &var, sizeof(var));
+  }
+#else
   auto subtract = [&](int64_t d0, float* __restrict out, auto term) {
     f32x16 acc[kLanes];
     for (int t = 0; t < kLanes; ++t) acc[t] = f32x16{};
@@ -218,6 +253,7 @@ void subtract_row_stats(const float* const* rows, int64_t kv, int64_t dk, float*
     subtract(d0, key_mean, [](f32x16 acc, f32x16 x) { return acc + x; });
     subtract(d0, half_var, [](f32x16 acc, f32x16 x) { return acc + x * x; });
   }
+#endif
 }
 
 // One cluster's top-k keys: key_mean and half_var (which hold the sums over every valid key) less theirs,
@@ -227,7 +263,7 @@ void subtract_row_stats(const float* const* rows, int64_t kv, int64_t dk, float*
 float gather_top_keys(const float* const* rows, int64_t kv, int64_t dk, int64_t kvp, const float* centroid,
                       float scale, bool from_rows, float* __restrict kt, float* __restrict key_mean,
                       float* __restrict half_var, float* __restrict top_score) {
-  const bool stats_from_rows = from_rows || (kNativeBytes == 64 && dk % kLanes == 0);
+  const bool stats_from_rows = from_rows || (kNativeBytes >= 32 && dk % kLanes == 0);
   if (stats_from_rows) subtract_row_stats(rows, kv, dk, key_mean, half_var);
   if (from_rows) {
     row_scores<1>(&centroid, rows, kvp, dk, scale, top_score);

@@ -276,25 +276,35 @@ BC_INLINE float hsum(f32x16 v) {
 // (strides 8, 4, 2, 1) on pairs of vectors, with the shuffles that also transpose (with AVX-512 30
 // two-source shuffles, against 64 for a transpose alone and 16 hsums' 64). The inputs enter in the order
 // that leaves the sums in lane order: bit-reversed with 16 lanes, (0, 4, 1, 5, 2, 6, 3, 7) per 8.
+#if BC_NATIVE_BYTES == 32
+// With AVX2, input L (of 8) enters lane_sums8 in slot kLaneSlot[L].
+constexpr int kLaneSlot[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// lane_sums' levels after the first for 8 inputs: x[kLaneSlot[L]] holds input L's two halves added (hsum's
+// stride 8); lane L of the result is input L's hsum.
+BC_INLINE f32x16::Part lane_sums8(const f32x16::Part* x) {
+  using Part = f32x16::Part;
+  Part r[4], s[2];
+  for (int i = 0; i < 4; ++i)  // stride 4: lanes 0-3 slot 2i, 4-7 slot 2i + 1
+    r[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // stride 2: pairs of lanes, slots 4i, 4i + 2, 4i + 1, 4i + 3
+    s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // stride 1: slots 0, 2, 4, 6, 1, 3, 5, 7
+  return __builtin_shufflevector(s[0], s[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(s[0], s[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+#endif
+
 BC_INLINE f32x16 lane_sums(const f32x16* a) {
 #if BC_NATIVE_BYTES == 32
   {
-    using Part = f32x16::Part;
     f32x16 out;
     for (int g = 0; g < 2; ++g) {
-      Part x[8];
-      constexpr int kSlot[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // input L goes to slot kSlot[L]
-      for (int l = 0; l < 8; ++l) x[kSlot[l]] = a[8 * g + l].p[0] + a[8 * g + l].p[1];  // stride 8
-      Part r[4], s[2];
-      for (int i = 0; i < 4; ++i)  // stride 4: lanes 0-3 slot 2i, 4-7 slot 2i + 1
-        r[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-      for (int i = 0; i < 2; ++i)  // stride 2: pairs of lanes, slots 4i, 4i + 2, 4i + 1, 4i + 3
-        s[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-      // stride 1: slots 0, 2, 4, 6, 1, 3, 5, 7
-      out.p[g] = __builtin_shufflevector(s[0], s[1], 0, 2, 8, 10, 4, 6, 12, 14) +
-                 __builtin_shufflevector(s[0], s[1], 1, 3, 9, 11, 5, 7, 13, 15);
+      f32x16::Part x[8];
+      for (int l = 0; l < 8; ++l) x[kLaneSlot[l]] = a[8 * g + l].p[0] + a[8 * g + l].p[1];  // stride 8
+      out.p[g] = lane_sums8(x);
     }
     return out;
   }
