@@ -1695,6 +1695,15 @@ MEASURED: tuple[Table, ...] = (
         peers_table,
     ),
     Table(
+        "peers-zen1",
+        ("peers_zen1/bench_peers.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
+        "--memory-cap-gib 10 --openvino-precision default --methods torch,onnx,openvino,bert-cluster "
+        "--timeout 1200 --output FILE",
+        peers_table,
+    ),
+    Table(
         "peers-xeon-amx",
         ("peers_xeon_amx/bench_peers.json",),
         (BENCHMARKS,),
@@ -1999,6 +2008,7 @@ CPU_KINDS: tuple[CpuKind, ...] = (
         "AMD EPYC Zen 1 (AVX2)",
         attention="speed-zen1",
         long="long-zen1",
+        peers="peers-zen1",
         others=("linears-zen1",),
     ),
     CpuKind(
@@ -2054,6 +2064,7 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "demo_plus/results.md": ("the full-size demo run's own tables", FIDELITY),
     "demo_plus/scores.png": ("the full-size demo run's plot", FIDELITY),
     "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
+    "peers_zen1/bench_peers.png": ("the plot of the peers-zen1 run", BENCHMARKS),
     "peers_xeon_amx/bench_peers.png": ("the plot of the peers-xeon-amx run", BENCHMARKS),
     "bench_training_zen4/training.png": (
         "the plot of the training-call-zen4 and training-step-zen4 runs (bench_training.py --summarise)",
