@@ -529,9 +529,11 @@ def long_document_training_table(results: list[dict]) -> list[str]:
     def mean(points: list[dict], key: str) -> float | None:
         return statistics.mean(p[key] for p in points) if len(points) == len(results) else None
 
+    rescored = any("exact_attention" in p for points in by_budget["clustered"].values() for p in points)
     rows = []
     for budget in sorted(set(by_budget["exact"]) | set(by_budget["clustered"])):
         e, c = by_budget["exact"].get(budget, []), by_budget["clustered"].get(budget, [])
+        c_exact = [{**p["exact_attention"], "step": p["step"]} for p in c if "exact_attention" in p]
         ahead = budget and None not in (mean(e, "R@1"), mean(c, "R@1")) and mean(c, "R@1") >= mean(e, "R@1")
         steps = [f"{p['step']}" for p in e] + [f"{p['step']}" for p in c]
         rows.append(
@@ -543,8 +545,10 @@ def long_document_training_table(results: list[dict]) -> list[str]:
                 cell(c, "MRR@10"),
                 f"{', '.join(steps[: len(e)]) or '-'} / {', '.join(steps[len(e) :]) or '-'}",
             ]
+            + ([cell(c_exact, "R@1")] if rescored else [])
         )
     header = ["training time (s)", "exact R@1", "clustered R@1", "exact MRR@10", "clustered MRR@10", "steps"]
+    header += ["clustered R@1, scored exact"] if rescored else []
     result = results[0]
     settings = result["settings"]
     verdicts = long_document_verdicts(results)
@@ -598,7 +602,12 @@ def long_document_training_table(results: list[dict]) -> list[str]:
         f"kernels {environment.get('kernels_cpu_isa', '?')}, {environment['threads']} threads; "
         f"{' to '.join(dates) if len(dates) > 1 else dates[0]}."
     )
-    return table(header, "rrrrrr", rows) + ["", caption]
+    if rescored:
+        caption += (
+            " Scored exact: the clustered run's copies scored with exact attention as well "
+            "(`--score-exact-too`): what its training learned, without its approximation's cost at scoring."
+        )
+    return table(header, "r" * len(header), rows) + ["", caption]
 
 
 #: What a question is scored against in scripts/long_document_training.py's loss (--negatives).

@@ -86,6 +86,35 @@ def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
     assert output.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path, monkeypatch):
+    """--score-exact-too: untrained, the clustered model scored with exact attention is the exact model,
+    so its scores equal the exact run's; the model goes back to clustered attention for its training."""
+    import bert_cluster
+
+    convert = bert_cluster.convert  # every row approximated: 64 tokens are under the "auto" minimum
+    monkeypatch.setattr(bert_cluster, "convert", lambda m, **kw: convert(m, **{"min_length": 0, **kw}))
+    script = _script()
+    model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
+    output = tmp_path / "out" / "training.json"
+    arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--eval-every", "60"]
+    arguments += ["--batch-size", "4", "--clusters", "2", "--work", str(tmp_path / "work")]
+    assert script.main([*arguments, "--output", str(output), "--score-exact-too"]) == 0
+    result = json.loads(output.read_text())
+    exact, clustered = (result["variants"][v] for v in ("exact", "clustered"))
+    assert all("exact_attention" not in p for p in exact["points"])
+    assert all(0 <= p["exact_attention"]["R@1"] <= 100 for p in clustered["points"])
+    assert clustered["points"][0]["exact_attention"] == {k: exact["points"][0][k] for k in ("R@1", "MRR@10")}
+    assert "scored exact" in output.with_suffix(".md").read_text()
+    # trained with clustered attention after the rescoring: its first loss is not the exact run's, and it
+    # is the first loss of a clustered run that never rescored
+    assert clustered["curve"][0]["loss"] != exact["curve"][0]["loss"]
+    again = tmp_path / "again" / "training.json"
+    assert script.main([*arguments, "--output", str(again), "--variants", "clustered"]) == 0
+    alone = json.loads(again.read_text())["variants"]["clustered"]
+    assert alone["curve"][0]["loss"] == clustered["curve"][0]["loss"]
+
+
 def test_each_row_holds_questions_of_one_article_and_every_question_is_used():
     script = _script()
     pairs = [(f"q{a}-{i}", f"article {a}") for a in range(3) for i in range(7 + a)]

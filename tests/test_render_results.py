@@ -458,3 +458,17 @@ def test_the_long_document_table_of_several_seeds_shows_their_mean_and_judges_it
     worse["settings"]["seed"] = 1
     behind = render_results.long_document_training_table([first, worse])[-1]
     assert "at every budget: **no**" in behind and "not reached within the budgets" in behind
+
+
+def test_the_long_document_table_shows_the_clustered_copies_scored_exact_when_the_run_has_them():
+    plain = render_results.long_document_training_table([long_document_result([50, 55, 60], [49, 54, 61])])
+    assert "scored exact" not in "\n".join(plain)
+    result = long_document_result([50, 55, 60], [49, 54, 61])
+    for point, rescored in zip(result["variants"]["clustered"]["points"], (50, 56, 62), strict=True):
+        point["exact_attention"] = {"R@1": rescored, "MRR@10": rescored + 10}
+    lines = render_results.long_document_training_table([result])
+    assert lines[0].endswith("| clustered R@1, scored exact |")
+    rows = [line.split(" | ") for line in lines[2:5]]
+    assert [row[-1] for row in rows] == ["50.0 |", "56.0 |", "62.0 |"]
+    assert rows[1][1:3] == ["55.0", "54.0"]  # the verdicts stay on each model's own attention
+    assert "`--score-exact-too`" in lines[-1] and "at every budget: **no**" in lines[-1]
