@@ -17,12 +17,13 @@ has no dropout, and with it the exact run's SDPA falls back to the math path, wh
 probability for the backward (15.8 GiB for one 4,096-token article; a batch of 4 does not fit in 24 GiB).
 
 Two runs in one process, one after the other, on the same machine and threads: ``exact`` (the model
-unmodified, torch's SDPA) and ``clustered`` (``bert_cluster.convert``'s defaults, or ``--clusters`` /
-``--mode``). Each trains until the largest budget of training time (evaluation excluded) and keeps a copy
-of its weights as it passes each budget; the copies are scored after training, so scoring never eats a
-budget. Same seed and data order for both. The verdicts: at every budget the clustered run scores at
-least the exact run's (R@1), and the clustered run reaches the exact run's final R@1 within half the
-exact run's time. Writes JSON, a Markdown table and a plot (loss and R@1 against training time).
+unmodified, torch's SDPA) and ``clustered`` (``bert_cluster.convert``'s defaults, or ``--clusters``,
+``--mode``, ``--cluster-growth``, ``--topk-growth``). Each trains until the largest budget of training time
+(evaluation excluded) and keeps a copy of its weights as it passes each budget; the copies are scored
+after training, so scoring never eats a budget. Same seed and data order for both. The verdicts: at every
+budget the clustered run scores at least the exact run's (R@1), and the clustered run reaches the exact
+run's final R@1 within half the exact run's time. Writes JSON, a Markdown table and a plot (loss and R@1
+against training time).
 
     python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 \\
         --output docs/results/long_document_training_xeon_amx/training.json
@@ -473,6 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--clusters", type=int, help="clustered run's C (default: convert's)")
     parser.add_argument("--mode", help="clustered run's mode (default: convert's)")
+    for growth in ("cluster-growth", "topk-growth"):
+        parser.add_argument(
+            f"--{growth}",
+            type=float,
+            help=f"clustered run's {growth.replace('-', '_')}, how C or k grows past 512 tokens (default: "
+            "convert's, 0.5)",
+        )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--eval-every", type=int, default=1, help="score every n-th held-out question")
     parser.add_argument("--eval-batch-size", type=int, default=4)
@@ -529,6 +537,13 @@ def main(argv: list[str] | None = None) -> int:
         args.convert["clusters"] = args.clusters
     if args.mode is not None:
         args.convert["mode"] = args.mode
+    for name in ("cluster_growth", "topk_growth"):
+        value = getattr(args, name)
+        if value is not None:
+            if not 0 <= value <= 1:
+                option = f"--{name.replace('_', '-')}"
+                parser.error(f"{option} must be in 0..1 (0: fixed, 1: linear), got {value:g}")
+            args.convert[name] = value
 
     import torch
 

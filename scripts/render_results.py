@@ -563,7 +563,8 @@ def long_document_training_table(results: list[dict]) -> list[str]:
         else "not reached within the budgets"
     )
     met = "met" if verdicts["exact_final_within_half_time"] else "missed"
-    convert = {k: settings[k] for k in ("clusters", "mode") if settings.get(k) is not None}
+    chosen = ("clusters", "mode", "cluster_growth", "topk_growth")
+    convert = {k: settings[k] for k in chosen if settings.get(k) is not None}
     attention = ", ".join(f"{k} {v}" for k, v in convert.items()) or "convert's defaults"
     environment = result["environment"]
     machine = environment.get("processor", "CPU not recorded")
@@ -608,6 +609,103 @@ def long_document_training_table(results: list[dict]) -> list[str]:
             "(`--score-exact-too`): what its training learned, without its approximation's cost at scoring."
         )
     return table(header, "r" * len(header), rows) + ["", caption]
+
+
+def long_document_rescored_table(results: list[dict]) -> list[str]:
+    """A both-variant run of scripts/long_document_training.py, then the same command's clustered run again
+    with ``--score-exact-too``: its copies scored with their own attention and with exact attention, the
+    difference being what the approximation costs at scoring, against the first run's exact copies."""
+    first, rerun = results
+    exact = {p["budget"]: p for p in first["variants"]["exact"]["points"]}
+    clustered = {p["budget"]: p for p in rerun["variants"]["clustered"]["points"]}
+    earlier = {p["budget"]: p for p in first["variants"]["clustered"]["points"]}
+    rows = []
+    for budget in sorted(clustered):
+        c, e = clustered[budget], exact.get(budget)
+        rescored = c["exact_attention"]["R@1"]
+        rows.append(
+            [
+                "untrained" if not budget else f"{budget:,.0f}",
+                f"{e['R@1']:.2f} ({e['step']})" if e else "-",
+                f"{c['R@1']:.2f} ({c['step']})",
+                f"{rescored:.2f}",
+                f"{rescored - c['R@1']:+.2f}",
+                f"{rescored - e['R@1']:+.2f}" if e else "-",
+            ]
+        )
+    same = all(
+        budget in earlier and (earlier[budget]["step"], earlier[budget]["R@1"]) == (p["step"], p["R@1"])
+        for budget, p in clustered.items()
+    )
+    header = [
+        "training time (s)",
+        "exact run R@1 (step)",
+        "clustered run R@1 (step)",
+        "clustered, scored exact",
+        "approximation's cost at scoring",
+        "clustered scored exact - exact run",
+    ]
+    environment = rerun["environment"]
+    seed, questions = rerun["settings"]["seed"], rerun["data"]["held_out_questions"]
+    processor = environment.get("processor", "CPU not recorded")
+    caption = (
+        f"The clustered run of the table above again (seed {seed}, the same command with "
+        f"`--variants clustered --score-exact-too`), its copies scored with their own attention and with "
+        f"exact attention (R@1 x 100, {questions:,} held-out questions: 0.02 is one question). The "
+        "approximation's cost at scoring: scored exact minus scored clustered. Exact run: the table "
+        "above's. The rerun's steps and R@1 at every budget equal the first run's: "
+        f"**{'yes' if same else 'no'}**. {processor}, kernels {environment.get('kernels_cpu_isa', '?')}, "
+        f"{environment['threads']} threads; {environment['date'][:10]}."
+    )
+    return table(header, "r" * len(header), rows) + ["", caption]
+
+
+def long_document_fidelity_table(results: list[dict]) -> list[str]:
+    """scripts/long_document_fidelity.py: the untrained proxy's R@1 per convert setting on both splits of the
+    long-document training, against exact, with the cost of one training article."""
+    result = results[0]
+    exact = result["rows"][0]
+    rows = []
+    for row in result["rows"]:
+        seconds = row["forward_backward_seconds"]
+        cells = ["exact" if row["setting"] == "exact" else f"`{row['setting']}`"]
+        cells.append("-" if row["setting"] == "exact" else f"{row['clusters']} / {row['topk']}")
+        for split in ("training", "held_out"):
+            change = row[split]["R@1"] - exact[split]["R@1"]
+            cells += [f"{row[split]['R@1']:.2f}", "" if row is exact else f"{change:+.2f}"]
+        flips = "-" if row is exact else f"+{row['held_out']['gained']} / -{row['held_out']['lost']}"
+        cells += [flips, f"{row['held_out']['cosine_to_exact']:.4f}", f"{seconds:.2f}"]
+        cells.append(times(exact["forward_backward_seconds"] / seconds))
+        rows.append(cells)
+    header = [
+        "setting",
+        "C / k",
+        "R@1 training split",
+        "vs exact",
+        "R@1 held out",
+        "vs exact",
+        "held-out questions gained / lost",
+        "cosine to exact",
+        "s per article (fwd + bwd)",
+        "faster than exact",
+    ]
+    settings, environment, data = result["settings"], result["environment"], result["data"]
+    unchanged = all(row[s]["questions_exact"] for row in result["rows"] for s in ("training", "held_out"))
+    caption = (
+        f"The untrained MiniLM-16k proxy, articles cut at {settings['length']:,} tokens: each split's "
+        f"questions ({data['training']['questions']:,} of articles 1-24, {data['held_out']['questions']:,} "
+        "of articles 25-48) against its 24 articles, R@1 x 100 (one held-out question: 0.02 points). "
+        "Settings: convert's defaults with the changes named (C / k: the clusters and exact keys of a "
+        f"{settings['length']:,}-token row). Questions embedded once, with exact attention (convert's "
+        "min_length auto keeps rows that short exact; the first 64 questions of each setting equal the "
+        f"unmodified ones: **{'yes' if unchanged else 'no'}**). Gained / lost: held-out questions the "
+        "setting ranks right and exact does not, and the other way. Cosine: held-out article embeddings "
+        "against exact's, mean. Seconds: one training article's forward and backward. "
+        f"{environment.get('processor', 'CPU not recorded')}, kernels "
+        f"{environment.get('kernels_cpu_isa', '?')}, {environment['threads']} threads; "
+        f"{environment['date'][:10]}."
+    )
+    return table(header, "lr" + "r" * (len(header) - 2), rows) + ["", caption]
 
 
 #: What a question is scored against in scripts/long_document_training.py's loss (--negatives).
@@ -1929,6 +2027,26 @@ MEASURED: tuple[Table, ...] = (
         "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+    ),
+    Table(
+        "long-document-training-zen1-rescored",
+        (
+            "long_document_training_zen1/training.json",
+            "long_document_training_zen1/clustered_scored_exact.json",
+        ),
+        (FINETUNE,),
+        "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 --variants clustered "
+        "--score-exact-too --minilm-16k OUT/minilm-l6-16k --output FILE",
+        long_document_rescored_table,
+    ),
+    Table(
+        "long-document-fidelity-zen1",
+        ("long_document_training_zen1/fidelity.json",),
+        (FINETUNE,),
+        "python scripts/long_document_fidelity.py --minilm-16k OUT/minilm-l6-16k --settings defaults "
+        "cluster_growth=0.75 cluster_growth=1 topk_growth=0.75 cluster_growth=0.75,topk_growth=0.75 "
+        "--output FILE",
+        long_document_fidelity_table,
     ),
     Table(
         "long-document-training-recipes",

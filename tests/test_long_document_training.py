@@ -86,6 +86,33 @@ def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
     assert output.with_suffix(".png").stat().st_size > 0
 
 
+def test_the_growth_options_reach_convert_and_out_of_range_ones_exit_2(tmp_path, monkeypatch, capsys):
+    import bert_cluster
+
+    class Converted(Exception):
+        """Stops the run at the clustered model's conversion."""
+
+    seen: dict = {}
+
+    def convert(model, **settings):
+        seen.update(settings)
+        raise Converted
+
+    monkeypatch.setattr(bert_cluster, "convert", convert)
+    script = _script()
+    model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
+    arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--variants", "clustered"]
+    arguments += ["--work", str(tmp_path / "work"), "--output", str(tmp_path / "out.json")]
+    with pytest.raises(Converted):
+        script.main([*arguments, "--cluster-growth", "0.75", "--topk-growth", "0.25"])
+    assert seen["cluster_growth"] == 0.75 and seen["topk_growth"] == 0.25
+    for option, value in [("--cluster-growth", "1.5"), ("--topk-growth", "-0.1")]:
+        with pytest.raises(SystemExit) as stop:
+            script.main([*arguments, option, value])
+        assert stop.value.code == 2 and f"{option} must be in 0..1" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.slow
 def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path, monkeypatch):
     """--score-exact-too: untrained, the clustered model scored with exact attention is the exact model,

@@ -472,3 +472,43 @@ def test_the_long_document_table_shows_the_clustered_copies_scored_exact_when_th
     assert [row[-1] for row in rows] == ["50.0 |", "56.0 |", "62.0 |"]
     assert rows[1][1:3] == ["55.0", "54.0"]  # the verdicts stay on each model's own attention
     assert "`--score-exact-too`" in lines[-1] and "at every budget: **no**" in lines[-1]
+
+
+def test_the_rescored_table_shows_the_approximations_cost_and_whether_the_rerun_repeated_the_first():
+    first = long_document_result([50, 55, 60], [49, 54, 61])
+    rerun = long_document_result([50, 55, 60], [49, 54, 61])
+    del rerun["variants"]["exact"]
+    for point, rescored in zip(rerun["variants"]["clustered"]["points"], (50, 56, 60.5), strict=True):
+        point["exact_attention"] = {"R@1": rescored, "MRR@10": rescored + 10}
+    lines = render_results.long_document_rescored_table([first, rerun])
+    rows = [line.split(" | ") for line in lines[2:5]]
+    assert rows[1][1:] == ["55.00 (10)", "54.00 (10)", "56.00", "+2.00", "+1.00 |"]
+    assert rows[2][4:] == ["-0.50", "+0.50 |"]
+    assert "equal the first run's: **yes**" in lines[-1] and "4,874 held-out questions" in lines[-1]
+    rerun["variants"]["clustered"]["points"][2]["R@1"] = 61.02
+    assert "equal the first run's: **no**" in render_results.long_document_rescored_table([first, rerun])[-1]
+
+
+def test_the_fidelity_table_reads_each_setting_against_exact():
+    def row(setting: str, training: float, held_out: float, seconds: float, same: bool = True) -> dict:
+        split = {"cosine_to_exact": 0.99, "questions_exact": same, "gained": 20, "lost": 33}
+        return {
+            "setting": setting, "clusters": 71, "topk": 91, "forward_backward_seconds": seconds,
+            "training": {"R@1": training, **split}, "held_out": {"R@1": held_out, **split},
+        }  # fmt: skip
+
+    result = {
+        "settings": {"length": 4096},
+        "data": {"training": {"questions": 5696}, "held_out": {"questions": 4874}},
+        "rows": [row("exact", 81.69, 79.18, 17.0), row("defaults", 81.57, 78.91, 6.8)],
+        "environment": {"processor": "AMD EPYC", "kernels_cpu_isa": "x86_64_v3", "threads": 2,
+                        "date": "2026-12-06T10:00:00+00:00"},
+    }  # fmt: skip
+    lines = render_results.long_document_fidelity_table([result])
+    defaults = [cell.strip() for cell in cells(lines[3])]
+    assert defaults[:6] == ["`defaults`", "71 / 91", "81.57", "-0.12", "78.91", "-0.27"]
+    assert defaults[6:] == ["+20 / -33", "0.9900", "6.80", "2.50×"]
+    assert [cell.strip() for cell in cells(lines[2])[1:4]] == ["-", "81.69", ""]
+    assert "equal the unmodified ones: **yes**" in lines[-1]
+    result["rows"][1]["held_out"]["questions_exact"] = False
+    assert "**no**" in render_results.long_document_fidelity_table([result])[-1]
