@@ -2029,6 +2029,14 @@ MEASURED: tuple[Table, ...] = (
         long_document_training_table,
     ),
     Table(
+        "long-document-training-zen3",
+        ("long_document_training_zen3/training.json",),
+        (FINETUNE,),
+        "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 --score-exact-too "
+        "--minilm-16k OUT/minilm-l6-16k --output FILE",
+        long_document_training_table,
+    ),
+    Table(
         "long-document-training-zen1-rescored",
         (
             "long_document_training_zen1/training.json",
@@ -2070,6 +2078,19 @@ MEASURED: tuple[Table, ...] = (
         (FINETUNE,),
         "python scripts/long_document_training.py --variants exact --length 1024 --budgets 100 200 400 "
         "--eval-every 4 --eval-batch-size 8 --questions-per-article 1|16 --negatives in-batch|bank "
+        "--minilm-16k OUT/minilm-l6-16k --output FILE",
+        long_document_recipes_table,
+    ),
+    Table(
+        "long-document-training-learning-rate-zen3",
+        (
+            "long_document_training_zen3/learning_rate_5e-6.json",
+            "long_document_training_zen3/learning_rate_2e-5.json",
+            "long_document_training_zen3/learning_rate_1e-4.json",
+        ),
+        (FINETUNE,),
+        "python scripts/long_document_training.py --variants exact --length 1024 --budgets 100 200 400 "
+        "--eval-every 4 --eval-batch-size 8 --learning-rate 5e-6|2e-5|1e-4 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_recipes_table,
     ),
@@ -2237,6 +2258,11 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
         FINETUNE,
     ),
     "long_document_training_zen1/training.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen3/training.png": (
+        "the plot of the long-document-training-zen3 run: training loss and held-out R@1 against time",
+        FINETUNE,
+    ),
+    "long_document_training_zen3/training.md": ("that run's own table", FINETUNE),
     "long_document_training_zen1/training_1800.png": (
         "the plot of the long-document-training-zen1-1800 run: training loss and held-out R@1 against time",
         FINETUNE,
