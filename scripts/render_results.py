@@ -1551,6 +1551,12 @@ SPEED_FILES = {
         "bench_attention_emerald/targets_bf16.json",
     ),
     "Zen 3": (
+        "bench_attention_zen3_1207/targets_fp32_1.json",
+        "bench_attention_zen3_1207/targets_fp32_2.json",
+        "bench_attention_zen3_1207/targets_bf16_1.json",
+        "bench_attention_zen3_1207/targets_bf16_2.json",
+    ),
+    "Zen 3, 2026-12-03": (
         "bench_attention_zen3/targets_fp32_1.json",
         "bench_attention_zen3/targets_fp32_2.json",
         "bench_attention_zen3/targets_bf16_1.json",
@@ -1621,7 +1627,7 @@ MEASURED: tuple[Table, ...] = (
     ),
     Table(
         "speed-zen3-mixed",
-        ("bench_attention_zen3/mixed_fp32.json", "bench_attention_zen3/mixed_bf16.json"),
+        ("bench_attention_zen3_1207/mixed_fp32.json", "bench_attention_zen3_1207/mixed_bf16.json"),
         (BENCHMARKS,),
         f"{BENCH} --mixed --lengths 512 4096 {THREE} --order blocked --repeats 7 --no-memory "
         "--dtype fp32|bf16 --output FILE",
@@ -1629,7 +1635,7 @@ MEASURED: tuple[Table, ...] = (
     ),
     Table(
         "long-zen3",
-        ("long_context_zen3/long_fp32.json", "long_context_zen3/long_bf16.json"),
+        ("long_context_zen3_1207/long_fp32.json", "long_context_zen3_1207/long_bf16.json"),
         (BENCHMARKS,),
         "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
         "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
@@ -1637,11 +1643,47 @@ MEASURED: tuple[Table, ...] = (
     ),
     Table(
         "linears-zen3",
-        ("long_context_zen3/linears_fp32.json", "long_context_zen3/linears_bf16.json"),
+        ("long_context_zen3_1207/linears_fp32.json", "long_context_zen3_1207/linears_bf16.json"),
         (BENCHMARKS,),
+        "python scripts/bench_linears.py --dtype fp32|bf16 --long-context "
+        "docs/results/long_context_zen3_1207/long_fp32.json|long_bf16.json --output FILE",
+        linears_table,
+    ),
+    Table(
+        "speed-zen3-2026-12-03",
+        SPEED_FILES["Zen 3, 2026-12-03"],
+        (),
+        f"{BENCH} --lengths 128 512 4096 {THREE} --order blocked "
+        "--repeats 20 --no-memory --dtype fp32|bf16 --output FILE (two runs each)",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+        superseded_by="speed-zen3",
+    ),
+    Table(
+        "speed-zen3-mixed-2026-12-03",
+        ("bench_attention_zen3/mixed_fp32.json", "bench_attention_zen3/mixed_bf16.json"),
+        (),
+        f"{BENCH} --mixed --lengths 512 4096 {THREE} --order blocked --repeats 7 --no-memory "
+        "--dtype fp32|bf16 --output FILE",
+        attention_table(["kernel-i-clustered", "kernel-i-clustered+"]),
+        superseded_by="speed-zen3-mixed",
+    ),
+    Table(
+        "long-zen3-2026-12-03",
+        ("long_context_zen3/long_fp32.json", "long_context_zen3/long_bf16.json"),
+        (),
+        "python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --repeats 2 "
+        "--documents 2 --no-memory --dtype fp32|bf16 --output FILE",
+        long_dtype_table,
+        superseded_by="long-zen3",
+    ),
+    Table(
+        "linears-zen3-2026-12-03",
+        ("long_context_zen3/linears_fp32.json", "long_context_zen3/linears_bf16.json"),
+        (),
         "python scripts/bench_linears.py --dtype fp32|bf16 --long-context "
         "docs/results/long_context_zen3/long_fp32.json|long_bf16.json --output FILE",
         linears_table,
+        superseded_by="linears-zen3",
     ),
     Table(
         "speed-zen1",
@@ -1804,6 +1846,15 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "peers-zen1",
         ("peers_zen1/bench_peers.json",),
+        (BENCHMARKS,),
+        "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
+        "--memory-cap-gib 10 --openvino-precision default --methods torch,onnx,openvino,bert-cluster "
+        "--timeout 1200 --output FILE",
+        peers_table,
+    ),
+    Table(
+        "peers-zen3",
+        ("peers_zen3/bench_peers.json",),
         (BENCHMARKS,),
         "python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --documents 2 --repeats 2 "
         "--memory-cap-gib 10 --openvino-precision default --methods torch,onnx,openvino,bert-cluster "
@@ -2169,6 +2220,7 @@ CPU_KINDS: tuple[CpuKind, ...] = (
         "AMD EPYC Zen 3 (AVX2)",
         attention="speed-zen3",
         long="long-zen3",
+        peers="peers-zen3",
         others=("speed-zen3-mixed", "linears-zen3"),
     ),
     CpuKind(
@@ -2233,6 +2285,7 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "demo_plus/scores.png": ("the full-size demo run's plot", FIDELITY),
     "peers_icelake/bench_peers.png": ("the plot of the peers-icelake run", BENCHMARKS),
     "peers_zen1/bench_peers.png": ("the plot of the peers-zen1 run", BENCHMARKS),
+    "peers_zen3/bench_peers.png": ("the plot of the peers-zen3 run", BENCHMARKS),
     "peers_xeon_amx/bench_peers.png": ("the plot of the peers-xeon-amx run", BENCHMARKS),
     "bench_training_zen4/training.png": (
         "the plot of the training-call-zen4 and training-step-zen4 runs (bench_training.py --summarise)",
