@@ -102,8 +102,8 @@ BC_INLINE void accumulate_chunks(const float* __restrict p, const float* __restr
 // Every lane in [0, lanes): acc rows grow by p^T v, five lanes per pass over the tile's values (two below
 // AVX-512, whose 16 registers hold fewer accumulators). Each sum runs over the tile's rows in order, however
 // the lanes and chunks are blocked.
-BC_INLINE void accumulate_all(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
-                               int64_t lanes, float* __restrict acc, int64_t dvp) {
+BC_INLINE void accumulate_block(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
+                                 int64_t lanes, float* __restrict acc, int64_t dvp) {
   constexpr int CB = kNativeBytes == 64 ? 5 : 2;
   int64_t c = 0;
   for (; c + CB <= lanes; c += CB) accumulate_chunks<CB>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp);
@@ -114,6 +114,20 @@ BC_INLINE void accumulate_all(const float* __restrict p, const float* __restrict
     case 1: accumulate_chunks<1>(p + c, v, vstride, rows, acc + c * dvp, dvp, dvp); break;
     default: break;
   }
+}
+
+// Value rows per block: every lane pass over a block finds its rows (and the block's weights) in L1. A
+// whole 256-row tile of 64-dim values is 64 KiB, past a 32-48 KiB L1, and each of its 5 (AVX-512) or 13
+// (AVX2) lane passes at C = 25 read it again from L2. Each accumulator still sums the rows in order, so
+// the blocks do not change the bits. centroid_attention, 12 heads x 64, C = 25, k = 32, one thread, AVX2
+// (Zen 3): 1.15 -> 1.00 ms at 512 tokens, 7.66 -> 6.42 at 4,096 (16 and 64 rows: within 2% of 32).
+constexpr int64_t kValueBlock = 32;
+
+BC_INLINE void accumulate_all(const float* __restrict p, const float* __restrict v, int64_t vstride, int64_t rows,
+                               int64_t lanes, float* __restrict acc, int64_t dvp) {
+  for (int64_t t0 = 0; t0 < rows; t0 += kValueBlock)
+    accumulate_block(p + t0 * kLaneCount, v + t0 * vstride, vstride, std::min(kValueBlock, rows - t0), lanes, acc,
+                     dvp);
 }
 
 // Online softmax step for one tile: s (rows x 32 scores, -inf where masked) becomes p = e^(s - M); the
