@@ -473,6 +473,20 @@ def test_the_long_document_table_shows_the_clustered_copies_scored_exact_when_th
     assert "`--score-exact-too`" in lines[-1] and "at every budget: **no**" in lines[-1]
 
 
+def test_the_claim_table_splits_the_budgets_at_the_clustered_steps_and_counts_each_runs_verdicts():
+    behind_then_ahead = long_document_result([50, 55, 60], [50, 54, 61])
+    ahead_twice = long_document_result([50, 55, 60], [50, 56, 62])  # at least exact at every budget
+    for result in (behind_then_ahead, ahead_twice):  # the 200 s copies past the step threshold
+        result["variants"]["clustered"]["points"][2]["step"] = render_results.CLAIM_STEPS
+    lines = render_results.long_document_claim_table([behind_then_ahead, ahead_twice])
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:5]]
+    rows = {row[0]: row[1:] for row in cells}
+    assert rows["< 60"] == ["2", "1", "+0.00", "-1.00", "+1.00"]
+    assert rows["≥ 60"] == ["2", "2", "+1.50", "+1.00", "+2.00"]
+    assert rows["all"] == ["4", "3", "+0.75", "-1.00", "+2.00"]
+    assert "every budget 1 of 2, exact's final in half the time 0 of 2, both 0 of 2." in lines[-1]
+
+
 def test_the_rescored_table_shows_the_approximations_cost_and_whether_the_rerun_repeated_the_first():
     first = long_document_result([50, 55, 60], [49, 54, 61])
     rerun = long_document_result([50, 55, 60], [49, 54, 61])
