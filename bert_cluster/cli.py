@@ -687,11 +687,12 @@ def finetune(
     lora: Annotated[
         bool,
         typer.Option(
-            "--lora/--full",
+            "--lora",
             help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
-            "extra of bert-cluster, or pip install peft), or every weight.",
+            "extra of bert-cluster, or pip install peft); the default.",
         ),
-    ] = True,
+    ] = False,
+    full: Annotated[bool, typer.Option("--full", help="Train every weight instead of LoRA.")] = False,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = 16,
     lora_alpha: Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha.")] = 32,
     epochs: Annotated[
@@ -757,6 +758,8 @@ def finetune(
 
         reporter = progress_reporter(stderr)
     with user_errors():
+        if lora and full:
+            raise UserError("give --lora (the default) or --full (every weight), not both")
         config = None
         if exact:
             given = [name for name, value in (("--clusters", clusters), ("--mode", mode)) if value]
@@ -775,7 +778,7 @@ def finetune(
                 output,
                 attention=config,
                 exact=exact,
-                lora=lora,
+                lora=not full,
                 lora_rank=lora_rank,
                 lora_alpha=lora_alpha,
                 epochs=epochs,
