@@ -478,7 +478,7 @@ def embed(
     # Skipped documents and re-embedded shards are never hidden, -q or not (they are not progress).
     for problem in result.problems:
         stderr.print(
-            f"skipped {problem.id} (line {problem.line}): {problem.reason}",
+            f"skipped {problem.id or 'a record'} (line {problem.line}): {problem.reason}",
             markup=False,
             highlight=False,
             soft_wrap=True,
