@@ -806,13 +806,18 @@ def finetune(
             )
             stderr.print(f"interrupted: {where}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(130) from None
+    for name, why in result.skipped_checkpoints.items():  # never hidden, -q or not
+        stderr.print(f"skipped {name}: it is damaged ({why})", markup=False, highlight=False, soft_wrap=True)
+    if result.already_finished:
+        stderr.print(f"{result.output} holds a finished run: nothing changed", markup=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
     last = result.loss_curve[-1]["loss"] if result.loss_curve else float("nan")
     stdout.print(
-        f"saved {result.output} ({result.steps} steps, last loss {last:.4f}); "
-        f"score it with: bert-cluster evaluate {result.output} --task {result.settings['task']}",
+        f"{'finished already:' if result.already_finished else 'saved'} {result.output} ({result.steps} "
+        f"steps, last loss {last:.4f}); score it with: bert-cluster evaluate {result.output} --task "
+        f"{result.settings['task']}",
         highlight=False,
         soft_wrap=True,
     )
