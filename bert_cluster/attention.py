@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bert_cluster import environment
-from bert_cluster.config import AUTO, ClusteredAttentionConfig
+from bert_cluster.config import AUTO, ClusteredAttentionConfig, check_config
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
 
@@ -119,7 +119,7 @@ def clustered_attention(
         On the CPU the result is usually a view of ``(R, N, H, Dv)`` memory, as CPU SDPA's is (the layout
         transformers takes attention's output in): ``.contiguous()`` gives ``(R, H, N, Dv)`` memory.
     """
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "clustered_attention")
     _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
@@ -392,7 +392,7 @@ def windowed_attention(
     from bert_cluster import dispatch
 
     dropout = _check_dropout(dropout)
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "windowed_attention")
     _check_inputs(query, key, value, valid, "windowed_attention")
     rows, _, length, head_dim = query.shape
     if valid is None:
