@@ -546,6 +546,11 @@ def recovery_table(results: list[dict], headline: Sequence[str] = ()) -> list[st
             f" Loss: {towards}, the teacher the checkpoint with exact attention, KL at temperature "
             f"{settings.get('distill_temperature', 1.0):g}, {dropout} (`--distill`)."
         )
+    if any(recovery_partial(result) for result in results):
+        caption += (
+            " **Partial**: runs still to come; each row counts the seeds it holds of the "
+            f"{seeds_asked} asked."
+        )
     if unreverted:
         caption += " " + UNREVERTED
     return table(header, "lll" + "r" * (len(header) - 3), rows) + ["", caption]
@@ -557,6 +562,18 @@ def recovery_score(run: dict | None, arm: str, column: str, metric: str) -> floa
     if run is None or (arm == "clustered" and column == "unmodified" and "notes" not in run):
         return None
     return statistics.mean(hashed(run["scores"], column, metric))
+
+
+def recovery_partial(result: dict) -> bool:
+    """A results file with runs to come: fewer seeds than asked, or a seed without an arm that was asked for
+    (``--arms``: the first part's) or that another seed has (a later part's)."""
+    asked = result["settings"].get("arms", ["clustered", "exact"])
+    for entry in result["tasks"].values():
+        seeds = list(entry["seeds"].values())
+        arms = set(asked).union(*seeds)
+        if len(seeds) < result["settings"].get("seeds", 0) or any(set(seed) != arms for seed in seeds):
+            return True
+    return False
 
 
 def all_recovery_seeds(results: list[dict]) -> list[dict]:

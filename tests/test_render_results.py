@@ -445,8 +445,14 @@ def test_a_recovery_run_in_parts_shows_the_seeds_each_arm_has():
     clustered, control = "fine-tuned, C = 10 in the loop", "control: fine-tuned, exact"
     paired = "paired: C = 10 in the loop − exact, per seed"
     assert models() == ["checkpoint", f"{clustered} (2 seeds)", f"{control} (one seed)", paired]
+    assert "**Partial**" in render_results.recovery_table([result])[-1]
     result["tasks"]["rte"]["seeds"] = {"0": {"clustered": seeds["0"]["clustered"]}}
     assert models() == ["checkpoint", f"{clustered} (one seed)"]
+    result["settings"]["seeds"] = 2  # asked for two, holds one
+    assert "each row counts the seeds it holds of the 2 asked" in render_results.recovery_table([result])[-1]
+    complete = recovery_result([54.0, 55.0])
+    complete["settings"]["seeds"] = 2
+    assert "Partial" not in render_results.recovery_table([complete])[-1]
 
 
 def test_a_clustered_arm_scored_before_the_revert_fix_has_no_unmodified_cell():
