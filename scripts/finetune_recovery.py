@@ -16,6 +16,12 @@ scores), so a run longer than a sitting (SQuAD: about 50 minutes per fine-tuning
 cores) is done in parts: the same command with ``--resume`` keeps what the file holds, continues an
 interrupted fine-tuning from its last checkpoint in ``--work`` (one every ``--save-steps``), and may ask
 for more ``--seeds``. Without ``--resume`` an existing results file is refused, not replaced.
+
+Each fine-tuned arm also records ``displacement``: the L2 norm of its weights' change from the checkpoint
+(encoder, where LoRA's merged product lands, and head), so a control is seen to move as far as the arm it
+controls. With ``--distill 1`` the exact arm starts at its teacher and barely moves; ``exact-dropout`` (exact
+attention, the student's dropout on) is the control that moves: dropout is its perturbation where the
+clustered arm's is the approximation. ``--score-seeds 0 1 2`` scores every C with each hash seed.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
 
 import bert_cluster
 from bert_cluster.finetuning import CHECKPOINTS, default_learning_rate, last_checkpoint
@@ -37,14 +46,24 @@ CHECKPOINT = {
 }
 
 
-def scores(model: Path, task: str, clusters: list[int], data_dir: str, limit: int | None) -> dict:
-    """Unmodified and per-C scores of ``model`` on ``task`` (hash seed 0), with the time it took."""
+def score_key(clusters: int | None, seed: int | None, seeds: list[int]) -> str:
+    """``unmodified``, ``C=10`` (hash seed 0 alone, as the first results files have it) or ``C=10 seed=1``."""
+    if clusters is None:
+        return "unmodified"
+    return f"C={clusters}" if seeds == [0] else f"C={clusters} seed={seed}"
+
+
+def scores(model: Path, task: str, clusters: list[int], args) -> dict:
+    """Unmodified and per-C scores of ``model`` on ``task`` (each hash seed), with the time it took."""
     began = time.monotonic()
-    results = bert_cluster.evaluate(str(model), task, clusters, seeds=[0], data_dir=data_dir, limit=limit)
+    seeds = args.score_seeds
+    results = bert_cluster.evaluate(
+        str(model), task, clusters, seeds=seeds, data_dir=args.data_dir, limit=args.limit
+    )
     (result,) = results.tasks
     if not result.ok:
         raise SystemExit(f"{task}: {result.error}")
-    runs = {"unmodified" if run.clusters is None else f"C={run.clusters}": run.scores for run in result.runs}
+    runs = {score_key(run.clusters, run.seed, seeds): run.scores for run in result.runs}
     return {
         "scores": runs,
         "examples": result.examples,
@@ -59,18 +78,36 @@ def rescore_needed(name: str, run: dict) -> bool:
     return name == "clustered" and "notes" not in run
 
 
+def displacement(original: Path, trained: Path) -> dict:
+    """L2 norms of the weights' change from ``original`` to ``trained``: encoder, head, and all together."""
+    before, after = (load_file(str(folder / "model.safetensors")) for folder in (original, trained))
+    if set(before) != set(after):
+        raise SystemExit(f"{trained} and {original} hold other weights: {sorted(set(before) ^ set(after))}")
+    squares = {"encoder": 0.0, "head": 0.0}
+    for name, weight in before.items():
+        part = "head" if name.split(".")[0] not in ("bert", "roberta", "model") else "encoder"
+        squares[part] += float(torch.sum((after[name].double() - weight.double()) ** 2))
+    return {**{part: sum_**0.5 for part, sum_ in squares.items()}, "all": sum(squares.values()) ** 0.5}
+
+
 #: Settings that may change between the parts of one results file (where the parts run, and how many seeds).
 PART_SETTINGS = ("seeds", "resume", "work", "output", "save_steps", "arms")
-ARMS = (("clustered", False), ("exact", True))
+#: Each arm's fine-tuning: exact attention or not, and the student's dropout on under --distill.
+ARMS = {
+    "clustered": {"exact": False, "distill_dropout": False},
+    "exact": {"exact": True, "distill_dropout": False},
+    "exact-dropout": {"exact": True, "distill_dropout": True},
+}
 #: Settings added since the first results files, as those runs had them.
-NEWER_SETTINGS = {"distill": 0.0, "distill_temperature": 1.0}
+NEWER_SETTINGS = {"distill": 0.0, "distill_temperature": 1.0, "score_seeds": [0]}
 
 
-def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args) -> dict:
+def fine_tune(original: Path, task: str, out: Path, arm: str, seed: int, args) -> dict:
     """One arm's fine-tuning: kept when ``out`` holds a finished one with these settings, continued from its
     last checkpoint when it was interrupted (``--resume``), else run from the start."""
+    exact = ARMS[arm]["exact"]
     options = {
-        "exact": exact,
+        **ARMS[arm],
         "seed": seed,
         "attention": None if exact else {"clusters": args.train_clusters},
         "epochs": args.epochs,
@@ -93,18 +130,20 @@ def fine_tune(original: Path, task: str, out: Path, exact: bool, seed: int, args
             "learning_rate": args.learning_rate or default_learning_rate(True, args.distill),
             "max_length": args.max_length,
             "distill": args.distill,
+            "distill_dropout": ARMS[arm]["distill_dropout"],
         }
         if not exact:
             expected["clusters"] = args.train_clusters
         found = {
             "distill": 0.0,
+            "distill_dropout": False,
             **done["settings"],
             "clusters": (done["settings"].get("attention") or {}).get("clusters"),
         }
         differ = {key: (found.get(key), value) for key, value in expected.items() if found.get(key) != value}
         if differ:
             raise SystemExit(f"{out} holds a fine-tuning with other settings {differ}; move it")
-        print(task, seed, "clustered" if not exact else "exact", "fine-tuned already in", out, flush=True)
+        print(task, seed, arm, "fine-tuned already in", out, flush=True)
         return {key: done[key] for key in ("steps", "train_seconds", "loss_curve")}
     resume = args.resume and last_checkpoint(out / CHECKPOINTS) is not None
     trained = bert_cluster.finetune(
@@ -141,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--train-clusters", type=int, default=10)
     parser.add_argument("--score-clusters", type=int, nargs="+", default=[10, 25])
+    parser.add_argument(
+        "--score-seeds", type=int, nargs="+", default=[0], help="the hash seeds each C is scored with"
+    )
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--epochs", type=float, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -158,10 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--arms",
         nargs="+",
-        default=[name for name, _ in ARMS],
-        choices=[name for name, _ in ARMS],
+        default=["clustered", "exact"],
+        choices=list(ARMS),
         help="the arms to run in this part (with --distill 1 the exact arm starts at its teacher: distance "
-        "0, gradients of float rounding only, which Adam still scales to steps of the learning rate)",
+        "0, gradients of float rounding only, which Adam still scales to steps of the learning rate; "
+        "exact-dropout, with --distill only: the student's dropout on, the control that moves)",
     )
     parser.add_argument("--data-dir", default="../shared/data")
     parser.add_argument("--save-steps", type=int, default=50, help="a fine-tuning checkpoint every N steps")
@@ -171,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.epochs is None and args.max_steps is None:
         args.epochs = 1.0
+    if "exact-dropout" in args.arms and not args.distill:
+        parser.error("the arm exact-dropout needs --distill (fine-tuning on the labels has its dropout on)")
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     document = resumed(args, settings)
 
@@ -182,18 +227,18 @@ def main(argv: list[str] | None = None) -> None:
         original = args.models / CHECKPOINT[task]
         entry = document["tasks"].get(task)
         if entry is None:
-            before = scores(original, task, args.score_clusters, args.data_dir, args.limit)
+            before = scores(original, task, args.score_clusters, args)
             entry = document["tasks"][task] = {"checkpoint": str(original), "original": before, "seeds": {}}
             save()
         print(task, "original", entry["original"]["scores"], flush=True)
         for seed in range(args.seeds):
             runs = entry["seeds"].setdefault(str(seed), {})
-            for name, exact in ARMS:
+            for name in ARMS:
                 if name not in args.arms:
                     continue
                 out = args.work / f"{task}-{name}-seed{seed}"
                 if name in runs and rescore_needed(name, runs[name]) and (out / "finetune.json").is_file():
-                    runs[name].update(scores(out, task, args.score_clusters, args.data_dir, args.limit))
+                    runs[name].update(scores(out, task, args.score_clusters, args))
                     print(
                         task,
                         seed,
@@ -205,12 +250,13 @@ def main(argv: list[str] | None = None) -> None:
                     save()
                 if name in runs:
                     continue
-                trained = fine_tune(original, task, out, exact, seed, args)
+                trained = fine_tune(original, task, out, name, seed, args)
                 runs[name] = {
                     "steps": trained["steps"],
                     "train_seconds": round(trained["train_seconds"], 1),
                     "final_loss": trained["loss_curve"][-1]["loss"] if trained["loss_curve"] else None,
-                    **scores(out, task, args.score_clusters, args.data_dir, args.limit),
+                    "displacement": displacement(original, out),
+                    **scores(out, task, args.score_clusters, args),
                 }
                 print(task, seed, name, runs[name], flush=True)
                 save()

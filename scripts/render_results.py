@@ -367,59 +367,123 @@ def long_context_table(results: list[dict]) -> list[str]:
 # scripts/finetune_recovery.py
 
 RECOVERY_METRICS = {"accuracy": "acc", "f1": "F1", "exact_match": "EM", "pearson": "Pearson"}
+#: finetune_recovery.py's arms in the order shown: the adapted one, then its controls.
+RECOVERY_ARMS = {
+    "clustered": "{trained}, C = {c} in the loop",
+    "exact": "control: {trained}, exact",
+    "exact-dropout": "control: {trained}, exact, dropout on",
+}
 
 
-def recovery_table(results: list[dict]) -> list[str]:
-    """Per task and metric: the checkpoint, the fine-tuning with clustered attention in the loop and the
-    control (the same fine-tuning, exact attention), each scored unmodified and at each C; over seeds the
-    mean ± sample std. The target: the clustered fine-tuning at the training C within ``target`` points of
-    the checkpoint's unmodified score (bold where met)."""
+def hashed(scores: dict, column: str, metric: str) -> list[float]:
+    """A column's score under each hash seed: ``C=10`` (hash seed 0 alone) or ``C=10 seed=S`` for each S."""
+    if column in scores:
+        return [scores[column][metric]]
+    return [value[metric] for key, value in scores.items() if key.startswith(f"{column} seed=")]
+
+
+def target_cell(cell: str, values: list[float], floor: float) -> str:
+    """``cell`` bold where the mean of ``values`` meets ``floor``, else ", missed"; with several seeds, how
+    many of them meet it."""
+    met = statistics.mean(values) >= floor
+    marked = f"**{cell}**" if met else f"{cell}, missed"
+    if len(values) < 2:
+        return marked
+    return f"{marked} ({sum(value >= floor for value in values)}/{len(values)} seeds)"
+
+
+def recovery_table(results: list[dict], headline: Sequence[str] = ()) -> list[str]:
+    """Per task and metric: the checkpoint, the fine-tuning with clustered attention in the loop and its
+    controls (the same fine-tuning with exact attention; ``exact-dropout`` with the student's dropout on),
+    each scored unmodified and at each C; over seeds the mean ± sample std (a seed's score: the mean over
+    its hash seeds). The target, the training C within ``target`` points of the checkpoint's unmodified
+    score, is marked in every row where it holds (bold), the checkpoint's and the controls' included; a
+    paired row per control gives the clustered run minus that control, seed by seed. ``headline``: show
+    only each task's first metric found in it (default every metric)."""
     settings = results[0]["settings"]
     train_c, target = settings["train_clusters"], settings["target"]
     distill = settings.get("distill", 0.0)  # results files from before the option: 0
     trained = "distilled" if distill == 1 else "fine-tuned"
     columns = ["unmodified", *(f"C={c}" for c in settings["score_clusters"])]
+    trained_column = f"C={train_c}"
+    score_seeds = {tuple(result["settings"].get("score_seeds", [0])) for result in results}
+    several_hashes = any(len(seeds) > 1 for seeds in score_seeds)
+    arms_found = [arm for arm in RECOVERY_ARMS if any(arm in seed for seed in all_recovery_seeds(results))]
+    moved = any("displacement" in run for seed in all_recovery_seeds(results) for run in seed.values())
     rows = []
-    unreverted = False
+    unreverted = paired = False
+
+    def extra(hash_spread: str, displacement: str) -> list[str]:
+        return [hash_spread] * several_hashes + [displacement] * moved
+
     for result in results:
         for task, entry in result["tasks"].items():
             original = entry["original"]["scores"]
             seeds = list(entry["seeds"].values())
-            for metric in original["unmodified"]:
+            found = [metric for metric in headline if metric in original["unmodified"]][:1]
+            for metric in found or original["unmodified"]:
                 base = original["unmodified"][metric]
                 label = RECOVERY_METRICS.get(metric, metric)
                 row = [task, label, "checkpoint"]
                 for column in columns:
-                    value = original[column][metric]
-                    row.append(f"{value:.2f}" + ("" if column == "unmodified" else f" ({value - base:+.2f})"))
-                rows.append(row)
-                for arm, name in (
-                    ("clustered", f"{trained}, C = {train_c} in the loop"),
-                    ("exact", f"control: {trained}, exact"),
-                ):
+                    value = statistics.mean(hashed(original, column, metric))
+                    cell = f"{value:.2f}" + ("" if column == "unmodified" else f" ({value - base:+.2f})")
+                    row.append(
+                        target_cell(cell, [value], base - target) if column == trained_column else cell
+                    )
+                spread = hashed(original, trained_column, metric)
+                rows.append(row + extra(f"{statistics.stdev(spread):.2f}" if len(spread) > 1 else "", "0"))
+                # Each seed's score per arm and column (the mean over its hash seeds); None: not scored.
+                per_seed: dict[str, dict[str, list[float | None]]] = {}
+                for arm in arms_found:
                     done = [seed[arm] for seed in seeds if arm in seed]  # a run in parts: some arms to come
                     if not done:
                         continue
+                    name = RECOVERY_ARMS[arm].format(trained=trained, c=train_c)
                     row = [task, label, f"{name} ({runs(len(done)).replace('run', 'seed')})"]
+                    per_seed[arm] = {}
                     for column in columns:
-                        scored = done
-                        if arm == "clustered" and column == "unmodified":
-                            scored = [run for run in done if "notes" in run]  # see UNREVERTED
-                            if len(scored) < len(done):
-                                unreverted = True
-                            if not scored:
-                                row.append("–")
-                                continue
-                        values = [run["scores"][column][metric] for run in scored]
-                        mean = statistics.mean(values)
-                        spread = f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+                        per_seed[arm][column] = [
+                            recovery_score(seed.get(arm), arm, column, metric) for seed in seeds
+                        ]  # aligned with the seeds, for the paired rows
+                        scored = [value for value in per_seed[arm][column] if value is not None]
+                        if len(scored) < len(done):
+                            unreverted = True
+                        if not scored:
+                            row.append("–")
+                            continue
+                        mean = statistics.mean(scored)
+                        spread = f" ± {statistics.stdev(scored):.2f}" if len(scored) > 1 else ""
                         cell = f"{mean:.2f}{spread} ({mean - base:+.2f})"
-                        if arm == "clustered" and column == f"C={train_c}":
-                            met = mean >= base - target
-                            cell = f"**{cell}**" if met else f"{cell}, missed"
-                        row.append(cell)
-                    rows.append(row)
+                        row.append(
+                            target_cell(cell, scored, base - target) if column == trained_column else cell
+                        )
+                    hash_spreads = [
+                        statistics.stdev(values)
+                        for run in done
+                        if len(values := hashed(run["scores"], trained_column, metric)) > 1
+                    ]
+                    distances = [run["displacement"]["all"] for run in done if "displacement" in run]
+                    rows.append(
+                        row
+                        + extra(
+                            f"{statistics.mean(hash_spreads):.2f}" if hash_spreads else "",
+                            mean_std_plain(distances) if distances else "–",
+                        )
+                    )
+                for control in (arm for arm in arms_found if arm != "clustered"):
+                    if "clustered" not in per_seed or control not in per_seed:
+                        continue
+                    paired = True
+                    row = [task, label, f"paired: C = {train_c} in the loop − {control}, per seed"]
+                    for column in columns:
+                        pairs = zip(per_seed["clustered"][column], per_seed[control][column], strict=True)
+                        differences = [a - b for a, b in pairs if a is not None and b is not None]
+                        each = ", ".join(signed(value) for value in differences)
+                        row.append(f"{mean_std(differences)} ({each})" if differences else "–")
+                    rows.append(row + extra("", ""))
     header = ["task", "metric", "model", "unmodified", *(f"C = {c}" for c in settings["score_clusters"])]
+    header += [f"hash seeds' std, C = {train_c}"] * several_hashes + ["weights moved (L2)"] * moved
     schedule = (
         f"{settings['epochs']:g} epoch" + ("s" if settings["epochs"] != 1 else "")
         if settings.get("epochs")
@@ -443,27 +507,87 @@ def recovery_table(results: list[dict]) -> list[str]:
         for result in results
     )
     seed_text = "seed 0" if seeds_asked == 1 else f"seeds 0-{seeds_asked - 1}"
+    hashes = "; ".join(
+        "hash seed 0"
+        if seeds == (0,)
+        else f"hash seeds {', '.join(map(str, seeds))} (a seed's score: their mean)"
+        for seeds in sorted(score_seeds)
+    )
     caption = (
-        "Scores on each task's dev split (SQuAD: held-out articles 25-48), i-clustered+, hash seed 0; "
+        f"Scores on each task's dev split (SQuAD: held-out articles 25-48), i-clustered+, {hashes}; "
         "change against the checkpoint's unmodified score in brackets. Fine-tuning: LoRA (rank 16, every "
         f"encoder Linear) and the task head, {schedule} ({per_task}), batch {settings['batch_size']}, "
         f"learning rate {rate}, {seed_text}; target: C = {train_c} within {target:g} of the "
-        f"checkpoint's unmodified score (bold: met). {cpus}; "
-        f"{dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}."
+        f"checkpoint's unmodified score, marked in every row where it holds (bold: the mean meets it; "
+        f"k/n: the seeds that do). {cpus}; {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}."
     )
+    if paired:
+        caption += (
+            f" Paired: the C = {train_c} arm minus the control, seed by seed, mean ± sample std (each "
+            "seed's difference in brackets)."
+        )
+    if moved:
+        caption += (
+            " Weights moved: the L2 norm of the change of every weight from the checkpoint (LoRA's merged "
+            "product and the head), mean ± std over seeds."
+        )
     if distill > 0:
         towards = (
             "the distance to the checkpoint's own outputs alone (labels unused)"
             if distill == 1
             else f"the task loss and, at weight {distill:g}, the distance to the checkpoint's own outputs"
         )
+        dropout = (
+            "no dropout in the teacher; in the student only in the control with dropout on"
+            if "exact-dropout" in arms_found
+            else "no dropout in either model"
+        )
         caption += (
             f" Loss: {towards}, the teacher the checkpoint with exact attention, KL at temperature "
-            f"{settings.get('distill_temperature', 1.0):g}, no dropout in either model (`--distill`)."
+            f"{settings.get('distill_temperature', 1.0):g}, {dropout} (`--distill`)."
+        )
+    if any(recovery_partial(result) for result in results):
+        caption += (
+            " **Partial**: runs still to come; each row counts the seeds it holds of the "
+            f"{seeds_asked} asked."
         )
     if unreverted:
         caption += " " + UNREVERTED
     return table(header, "lll" + "r" * (len(header) - 3), rows) + ["", caption]
+
+
+def recovery_score(run: dict | None, arm: str, column: str, metric: str) -> float | None:
+    """One seed's score in one arm and column, the mean over its hash seeds; None: not run or, for a
+    clustered arm's unmodified column scored before the revert fix, not known (``UNREVERTED``)."""
+    if run is None or (arm == "clustered" and column == "unmodified" and "notes" not in run):
+        return None
+    return statistics.mean(hashed(run["scores"], column, metric))
+
+
+def recovery_partial(result: dict) -> bool:
+    """A results file with runs to come: fewer seeds than asked, or a seed without an arm that was asked for
+    (``--arms``: the first part's) or that another seed has (a later part's)."""
+    asked = result["settings"].get("arms", ["clustered", "exact"])
+    for entry in result["tasks"].values():
+        seeds = list(entry["seeds"].values())
+        arms = set(asked).union(*seeds)
+        if len(seeds) < result["settings"].get("seeds", 0) or any(set(seed) != arms for seed in seeds):
+            return True
+    return False
+
+
+def all_recovery_seeds(results: list[dict]) -> list[dict]:
+    """Every seed's arms, over the files and their tasks."""
+    return [
+        seed for result in results for entry in result["tasks"].values() for seed in entry["seeds"].values()
+    ]
+
+
+def mean_std_plain(values: Sequence[float]) -> str:
+    """Mean ± sample std of a size (unsigned; the std only with two or more values)."""
+    if len(values) < 2:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
 #: Why a clustered arm's unmodified cell leaves out runs (or shows –): they were scored before evaluate
@@ -763,50 +887,87 @@ def long_document_recipes_table(results: list[dict]) -> list[str]:
 TRAIN_ARTICLES_24 = 24
 
 
-#: Clustered steps from which the clustered run had passed exact on every Xeon seed (docs/finetune.md).
-CLAIM_STEPS = 60
+#: Every run of scripts/long_document_training.py at 4,096 tokens with both variants, and its CPU kind (the
+#: files record "AMD EPYC" for every Zen): the long-document-training-claim table, one row each.
+CLAIM_RUNS = (
+    ("long_document_training_xeon_amx/training.json", "Xeon (AMX)"),
+    ("long_document_training_xeon_amx/training_seed1.json", "Xeon (AMX)"),
+    ("long_document_training_xeon_amx/training_seed2.json", "Xeon (AMX)"),
+    ("long_document_training_xeon_amx/training_seed3.json", "Xeon (AMX)"),
+    ("long_document_training_zen1/training.json", "Zen 1"),
+    ("long_document_training_zen1/training_1800.json", "Zen 1"),
+    ("long_document_training_zen1/training_1800_seed1.json", "Zen 1"),
+    ("long_document_training_zen1/training_1800_seed2.json", "Zen 1"),
+    ("long_document_training_zen3/training.json", "Zen 3"),
+    ("long_document_training_zen4/training.json", "Zen 4"),
+)
 
 
-def long_document_claim_table(results: list[dict]) -> list[str]:
-    """Every seed-run of scripts/long_document_training.py read together: each budget's clustered minus exact
-    held-out R@1, split at CLAIM_STEPS clustered steps, and how many runs meet each of the two verdicts."""
-    groups: dict[str, list[float]] = {f"< {CLAIM_STEPS}": [], f"≥ {CLAIM_STEPS}": []}
-    for result in results:
-        exact = {p["budget"]: p for p in result["variants"]["exact"]["points"]}
-        for point in result["variants"]["clustered"]["points"]:
-            if not point["budget"]:
-                continue
-            group = f"≥ {CLAIM_STEPS}" if point["step"] >= CLAIM_STEPS else f"< {CLAIM_STEPS}"
-            groups[group].append(point["R@1"] - exact[point["budget"]]["R@1"])
-    groups["all"] = [d for name in list(groups) for d in groups[name]]
-    rows = [
-        [
-            name,
-            str(len(diffs)),
-            str(sum(d >= 0 for d in diffs)),
-            f"{statistics.mean(diffs):+.2f}",
-            f"{min(diffs):+.2f}",
-            f"{max(diffs):+.2f}",
-        ]
-        for name, diffs in groups.items()
-    ]
-    header = ["clustered steps at the budget", "comparisons", "clustered at least exact", "mean difference"]
-    header += ["lowest", "highest"]
-    verdicts = [r["verdicts"] for r in results]
-    every = sum(v["at_least_exact_at_every_budget"] for v in verdicts)
-    half = sum(v["exact_final_within_half_time"] for v in verdicts)
-    both = sum(v["at_least_exact_at_every_budget"] and v["exact_final_within_half_time"] for v in verdicts)
-    kinds = sorted({r["environment"].get("processor", "CPU not recorded") for r in results})
-    lengths = sorted({r["settings"]["length"] for r in results})
-    caption = (
-        f"Every seed-run of the tables above ({len(results)} runs at {', '.join(f'{n:,}' for n in lengths)} "
-        f"tokens, 16 questions per article; {' and '.join(kinds)}): at each budget, the clustered run's "
-        f"held-out R@1 minus the exact run's (x 100, 4,874 questions: 0.02 is one question), grouped by the "
-        f"clustered run's steps at that budget. Runs meeting the target's verdicts on their own: at least "
-        f"exact at every budget {every} of {len(results)}, exact's final in half the time {half} of "
-        f"{len(results)}, both {both} of {len(results)}."
+def long_document_claim_table(results: list[dict], cpus: Sequence[str]) -> list[str]:
+    """Every run of scripts/long_document_training.py in one table, each labelled with its CPU kind from
+    ``cpus``: at each budget the clustered run's held-out R@1 minus the exact run's, the steps, and the
+    run's two verdicts; then all runs together. The verdict on the paper's training claim is stated, not
+    inferred: not decided."""
+    rows, differences = [], []
+    by_cpu: dict[str, list[float]] = {}
+    for result, cpu in zip(results, cpus, strict=True):
+        exact = {p["budget"]: p for p in result["variants"]["exact"]["points"] if p["budget"]}
+        clustered = [p for p in result["variants"]["clustered"]["points"] if p["budget"]]
+        exact_points = [exact[p["budget"]] for p in clustered]
+        gaps = [p["R@1"] - e["R@1"] for p, e in zip(clustered, exact_points, strict=True)]
+        differences += gaps
+        by_cpu.setdefault(cpu, []).extend(gaps)
+        verdicts = result["verdicts"]
+        per_article = result["settings"].get("questions_per_article", 1)
+        rows.append(
+            [
+                cpu + ("" if per_article == 16 else f", {per_article} question per article"),
+                str(result["settings"]["seed"]),
+                joined([f"{p['budget']:,.0f}" for p in clustered]),
+                joined([signed(gap) for gap in gaps]),
+                " vs ".join(joined([str(p["step"]) for p in points]) for points in (clustered, exact_points)),
+                "met" if verdicts["at_least_exact_at_every_budget"] else "missed",
+                "met" if verdicts["exact_final_within_half_time"] else "missed",
+            ]
+        )
+    every = sum(r["verdicts"]["at_least_exact_at_every_budget"] for r in results)
+    half = sum(r["verdicts"]["exact_final_within_half_time"] for r in results)
+    both = sum(
+        r["verdicts"]["at_least_exact_at_every_budget"] and r["verdicts"]["exact_final_within_half_time"]
+        for r in results
     )
-    return table(header, "lrrrrr", rows) + ["", caption]
+    rows.append(
+        [
+            f"all {len(results)} runs",
+            "",
+            f"{len(differences)} budgets",
+            f"mean {signed(statistics.mean(differences))}, {signed(min(differences))} to "
+            f"{signed(max(differences))}; at least exact at {sum(d >= 0 for d in differences)} of "
+            f"{len(differences)}",
+            "",
+            f"{every} of {len(results)}",
+            f"{half} of {len(results)} (both: {both})",
+        ]
+    )
+    header = [
+        "CPU",
+        "seed",
+        "budgets (s)",
+        "clustered − exact R@1",
+        "steps, clustered vs exact",
+        "at least exact at every budget",
+        "exact's final in half the time",
+    ]
+    caption = (
+        "Every run of the paper's training claim on the MiniLM-16k proxy (4,096 tokens; 16 questions per "
+        "article unless the row says otherwise): at each budget of training time "
+        "the clustered run's held-out R@1 minus the exact run's (x 100, 4,874 questions: 0.02 is one "
+        "question), and each run's two targets. Verdict: **not decided**."
+    )
+    both_ways = [cpu for cpu, gaps in by_cpu.items() if min(gaps) < 0 <= max(gaps)]
+    if len(both_ways) == len(by_cpu):
+        caption += f" The difference goes both ways on every CPU kind ({len(by_cpu)})."
+    return table(header, "lrllllll"[: len(header)], rows) + ["", caption]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2052,7 +2213,7 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "finetune-recovery",
         ("finetune_recovery/rte.json", "finetune_recovery/mrpc.json"),
-        (FIDELITY, FINETUNE),
+        (FIDELITY,),
         "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds 3 --epochs 1 --max-length L "
         "--data-dir ../shared/data --work DIR --output FILE (rte: L 256; mrpc: 128)",
         recovery_table,
@@ -2060,18 +2221,40 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "finetune-recovery-squad",
         ("finetune_recovery/squad-half.json",),
-        (README, FIDELITY, FINETUNE),
+        (FIDELITY,),
         "python scripts/finetune_recovery.py --models OUT --tasks squad-half --seeds 3 --epochs 1 "
         "--max-length 384 --data-dir ../shared/data --work DIR --output FILE (in parts: then with --resume)",
         recovery_table,
     ),
     Table(
+        "finetune-recovery-labels",
+        (
+            "finetune_recovery/squad-half.json",
+            "finetune_recovery/rte.json",
+            "finetune_recovery/mrpc.json",
+        ),
+        (FINETUNE,),
+        "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds 3 --epochs 1 --max-length L "
+        "--data-dir ../shared/data --work DIR --output FILE (squad-half: L 384, in parts with --resume; rte: "
+        "L 256; mrpc: L 128)",
+        lambda results: recovery_table(results, headline=("accuracy", "f1")),
+    ),
+    Table(
+        "finetune-recovery-squad-f1",
+        ("finetune_recovery/squad-half.json",),
+        (README,),
+        "python scripts/finetune_recovery.py --models OUT --tasks squad-half --seeds 3 --epochs 1 "
+        "--max-length 384 --data-dir ../shared/data --work DIR --output FILE (in parts: then with --resume)",
+        lambda results: recovery_table(results, headline=("f1",)),
+    ),
+    Table(
         "finetune-recovery-rte-gentle",
         ("finetune_recovery/rte_lr1e-4.json",),
-        (FINETUNE,),
+        (),
         "python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 3 --epochs 1 --max-length 256 "
         "--learning-rate 1e-4 --data-dir ../shared/data --work DIR --output FILE",
         recovery_table,
+        superseded_by="finetune-recovery-labels",
     ),
     Table(
         "finetune-recovery-distill",
@@ -2080,7 +2263,7 @@ MEASURED: tuple[Table, ...] = (
             "finetune_recovery/mrpc_distill.json",
             "finetune_recovery/squad-half_distill.json",
         ),
-        (FIDELITY, FINETUNE),
+        (FIDELITY,),
         "python scripts/finetune_recovery.py --models OUT --tasks TASK --seeds S --epochs 1 --max-length L "
         "--learning-rate 1e-4 --distill 1 --data-dir ../shared/data --work DIR --output FILE "
         "(rte: S 3, L 256; mrpc: S 3, L 128; squad-half: S 1, L 384, --arms clustered)",
@@ -2089,11 +2272,12 @@ MEASURED: tuple[Table, ...] = (
     Table(
         "finetune-recovery-distill-squad",
         ("finetune_recovery/squad-half_distill_lr5e-4.json",),
-        (FINETUNE,),
+        (),
         "python scripts/finetune_recovery.py --models OUT --tasks squad-half --seeds 1 --epochs 1 "
         "--max-length 384 --learning-rate 5e-4 --distill 1 --arms clustered --data-dir ../shared/data "
         "--work DIR --output FILE",
         recovery_table,
+        superseded_by="finetune-recovery-distill",
     ),
     Table(
         "long-document-training-zen4",
@@ -2102,7 +2286,7 @@ MEASURED: tuple[Table, ...] = (
         "python scripts/long_document_training.py --budgets 600 1200 2400 --questions-per-article 1 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
-        superseded_by="long-document-training",
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training",
@@ -2112,43 +2296,36 @@ MEASURED: tuple[Table, ...] = (
             "long_document_training_xeon_amx/training_seed2.json",
             "long_document_training_xeon_amx/training_seed3.json",
         ),
-        (README, FINETUNE),
+        (),
         "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0|1|2|3 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training-zen1",
         ("long_document_training_zen1/training.json",),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training-zen3",
         ("long_document_training_zen3/training.json",),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 --score-exact-too "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training-claim",
-        (
-            "long_document_training_xeon_amx/training.json",
-            "long_document_training_xeon_amx/training_seed1.json",
-            "long_document_training_xeon_amx/training_seed2.json",
-            "long_document_training_xeon_amx/training_seed3.json",
-            "long_document_training_zen1/training.json",
-            "long_document_training_zen1/training_1800.json",
-            "long_document_training_zen1/training_1800_seed1.json",
-            "long_document_training_zen1/training_1800_seed2.json",
-            "long_document_training_zen3/training.json",
-        ),
-        (FINETUNE,),
+        tuple(path for path, _ in CLAIM_RUNS),
+        (README, FINETUNE),
         "python scripts/render_results.py",
-        long_document_claim_table,
+        lambda results: long_document_claim_table(results, [cpu for _, cpu in CLAIM_RUNS]),
     ),
     Table(
         "long-document-training-zen1-rescored",
@@ -2156,10 +2333,11 @@ MEASURED: tuple[Table, ...] = (
             "long_document_training_zen1/training.json",
             "long_document_training_zen1/clustered_scored_exact.json",
         ),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 --variants clustered "
         "--score-exact-too --minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_rescored_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training-zen1-1800",
@@ -2168,10 +2346,11 @@ MEASURED: tuple[Table, ...] = (
             "long_document_training_zen1/training_1800_seed1.json",
             "long_document_training_zen1/training_1800_seed2.json",
         ),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --budgets 450 900 1800 --seed 0|1|2 --score-exact-too "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_training_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-fidelity-zen1",
@@ -2189,11 +2368,12 @@ MEASURED: tuple[Table, ...] = (
             "long_document_training_xeon_amx/recipe_16_in-batch.json",
             "long_document_training_xeon_amx/recipe_16_bank.json",
         ),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --variants exact --length 1024 --budgets 100 200 400 "
         "--eval-every 4 --eval-batch-size 8 --questions-per-article 1|16 --negatives in-batch|bank "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_recipes_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "long-document-training-learning-rate-zen3",
@@ -2202,11 +2382,12 @@ MEASURED: tuple[Table, ...] = (
             "long_document_training_zen3/learning_rate_2e-5.json",
             "long_document_training_zen3/learning_rate_1e-4.json",
         ),
-        (FINETUNE,),
+        (),
         "python scripts/long_document_training.py --variants exact --length 1024 --budgets 100 200 400 "
         "--eval-every 4 --eval-batch-size 8 --learning-rate 5e-6|2e-5|1e-4 "
         "--minilm-16k OUT/minilm-l6-16k --output FILE",
         long_document_recipes_table,
+        superseded_by="long-document-training-claim",
     ),
     Table(
         "training-call-zen4",
@@ -2366,52 +2547,52 @@ EXTRA_FILES: dict[str, tuple[str, str]] = {
     "long_document_training_zen4/training.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_xeon_amx/training.png": (
         "the plot of the long-document-training run: training loss and held-out R@1 against training time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_xeon_amx/training.md": ("that run's own table", FINETUNE),
+    "long_document_training_xeon_amx/training.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen1/training.png": (
         "the plot of the long-document-training-zen1 run: training loss and held-out R@1 against time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_zen1/training.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen1/training.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen3/training.png": (
         "the plot of the long-document-training-zen3 run: training loss and held-out R@1 against time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_zen3/training.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen3/training.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen1/training_1800.png": (
         "the plot of the long-document-training-zen1-1800 run: training loss and held-out R@1 against time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_zen1/training_1800.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen1/training_1800.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen1/training_1800_seed1.png": (
         "the plot of the long-document-training-zen1-1800 run's seed 1: training loss and held-out R@1 "
         "against time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_zen1/training_1800_seed1.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen1/training_1800_seed1.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen1/training_1800_seed2.png": (
         "the plot of the long-document-training-zen1-1800 run's seed 2: training loss and held-out R@1 "
         "against time",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
-    "long_document_training_zen1/training_1800_seed2.md": ("that run's own table", FINETUNE),
+    "long_document_training_zen1/training_1800_seed2.md": ("that run's own table", "CHANGELOG.md"),
     "long_document_training_zen1/seeds_1800.png": (
         "every seed of the long-document-training-zen1-1800 run: held-out R@1 against training time, and "
         "clustered minus exact at each budget (scripts/long_document_training.py --plot-seeds)",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
     "long_document_training_xeon_amx/seeds.png": (
         "every seed of the long-document-training runs: held-out R@1 against training time, and clustered "
         "minus exact at each budget (scripts/long_document_training.py --plot-seeds)",
-        FINETUNE,
+        "CHANGELOG.md",
     ),
     "finetune_recovery/rte_distill_agreement.json": (
         "KL and class agreement of the finetune-recovery-distill RTE models with the checkpoint's unmodified "
         "predictions (scripts/prediction_agreement.py)",
         FINETUNE,
     ),
-    "finetune_recovery/mrpc_distill_agreement.json": ("the same for MRPC", FINETUNE),
+    "finetune_recovery/mrpc_distill_agreement.json": ("the same for MRPC", "CHANGELOG.md"),
 }
 INDEX = f"{RESULTS}/README.md"
 CHANGELOG = "CHANGELOG.md"

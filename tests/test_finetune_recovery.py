@@ -167,3 +167,29 @@ def test_a_results_file_from_before_distill_resumes_as_undistilled(folders, tmp_
     path.write_text(json.dumps(document))
     script.main(arguments(folders, tmp_path, "--seeds", "2", "--resume"))
     assert calls.seen[2:] == [(False, 1, False), (True, 1, False)]
+
+
+def test_the_control_that_moves_keeps_its_dropout_and_every_arm_records_how_far_it_moved(
+    folders, tmp_path, monkeypatch
+):
+    """Issue 67: the exact-dropout arm distils with the student's dropout on (the exact arm has no distance
+    to learn from), each arm records its weights' displacement from the checkpoint, and --score-seeds scores
+    every C with each hash seed."""
+    script = helpers.load_script("finetune_recovery")
+    with pytest.raises(SystemExit):  # dropout is on anyway when fine-tuning on the labels
+        script.main(arguments(folders, tmp_path, "--arms", "exact-dropout"))
+    calls = Calls(monkeypatch)
+    more = ("--seeds", "1", "--distill", "1", "--arms", "exact", "exact-dropout", "--score-seeds", "0", "1")
+    script.main(arguments(folders, tmp_path, *more))
+    assert calls.seen == [(True, 0, False), (True, 0, False)]
+    arms = json.loads((tmp_path / "recovery.json").read_text())["tasks"]["rte"]["seeds"]["0"]
+    assert set(arms) == {"exact", "exact-dropout"}
+    for name, dropout in (("exact", False), ("exact-dropout", True)):
+        trained = json.loads((tmp_path / "work" / f"rte-{name}-seed0" / "finetune.json").read_text())
+        assert trained["settings"]["distill_dropout"] is dropout and trained["settings"]["attention"] is None
+        moved = arms[name]["displacement"]
+        assert moved["all"] == pytest.approx((moved["encoder"] ** 2 + moved["head"] ** 2) ** 0.5)
+        assert set(arms[name]["scores"]) == {"unmodified", "C=2 seed=0", "C=2 seed=1"}
+    # Without dropout the student starts at its teacher: a distance of float rounding; with it, dropout's.
+    assert arms["exact"]["final_loss"] < 1e-4 < arms["exact-dropout"]["final_loss"]
+    assert arms["exact-dropout"]["displacement"]["all"] > 0

@@ -343,17 +343,93 @@ def recovery_result(clustered_c10: list[float]) -> dict:
     }  # fmt: skip
 
 
+def recovery_rows(result: dict) -> dict[str, list[str]]:
+    """The rendered recovery table's rows by their model cell."""
+    lines = render_results.recovery_table([result])
+    cells = [
+        line.removeprefix("| ").removesuffix(" |").split(" | ") for line in lines if line.startswith("| rte")
+    ]
+    return {row[2]: row for row in cells}
+
+
 def test_the_recovery_table_averages_seeds_and_marks_the_target():
     """Over seeds the mean ± sample std and the change against the checkpoint's unmodified score; the
-    clustered run's C = 10 bold when within the target of it, "missed" when not."""
-    lines = render_results.recovery_table([recovery_result([54.0, 55.0])])
-    rows = {line.split(" | ")[2]: line.split(" | ") for line in lines if line.startswith("| rte")}
+    clustered run's C = 10 bold when within the target of it, "missed" when not; the seeds that meet it."""
+    rows = recovery_rows(recovery_result([54.0, 55.0]))
     clustered = rows["fine-tuned, C = 10 in the loop (2 seeds)"]
-    assert clustered[4] == "**54.50 ± 0.71 (-0.50)**"  # within 0.5 of 55.0: met
-    assert rows["checkpoint"][4] == "53.00 (-2.00)"
+    assert clustered[4] == "**54.50 ± 0.71 (-0.50)** (1/2 seeds)"  # the mean within 0.5 of 55.0: met
+    assert rows["checkpoint"][4] == "53.00 (-2.00), missed"
     assert rows["control: fine-tuned, exact (2 seeds)"][3] == "56.50 ± 0.00 (+1.50)"
     missed = render_results.recovery_table([recovery_result([54.0, 54.9])])
-    assert any("54.45 ± 0.64 (-0.55), missed" in line for line in missed)
+    assert any("54.45 ± 0.64 (-0.55), missed (1/2 seeds)" in line for line in missed)
+
+
+def test_the_recovery_table_marks_the_target_wherever_it_holds():
+    """Issue 67: the control and the checkpoint meet the target too where they score within it at C = 10; a
+    table that marks only the adapted arm credits the adaptation with what its control shows."""
+    result = recovery_result([54.6, 54.8])
+    for seed in result["tasks"]["rte"]["seeds"].values():
+        seed["exact"]["scores"]["C=10"]["accuracy"] = 54.9
+    rows = recovery_rows(result)
+    assert rows["control: fine-tuned, exact (2 seeds)"][4] == "**54.90 ± 0.00 (-0.10)** (2/2 seeds)"
+    assert rows["fine-tuned, C = 10 in the loop (2 seeds)"][4] == "**54.70 ± 0.14 (-0.30)** (2/2 seeds)"
+    result["tasks"]["rte"]["original"]["scores"]["C=10"]["accuracy"] = 54.5
+    assert recovery_rows(result)["checkpoint"][4] == "**54.50 (-0.50)**"
+
+
+def test_the_recovery_table_pairs_each_seed_with_its_control():
+    """The paired row: the adapted arm minus the control, seed by seed, mean ± std, only where both ran."""
+    result = recovery_result([54.0, 55.5])
+    result["tasks"]["rte"]["seeds"]["1"]["exact"]["scores"]["C=10"]["accuracy"] = 55.0
+    paired = recovery_rows(result)["paired: C = 10 in the loop − exact, per seed"]
+    assert paired[4] == "+0.25 ± 0.35 (+0.00, +0.50)"
+    assert paired[5] == "-0.50 ± 0.00 (-0.50, -0.50)"
+    assert paired[3] == "+0.00 ± 0.71 (-0.50, +0.50)"  # unmodified 56 + seed against 56.5
+    del result["tasks"]["rte"]["seeds"]["0"]["exact"]
+    assert recovery_rows(result)["paired: C = 10 in the loop − exact, per seed"][4] == "+0.50 (+0.50)"
+    del result["tasks"]["rte"]["seeds"]["1"]["exact"]
+    assert not any(name.startswith("paired") for name in recovery_rows(result))
+
+
+def test_the_recovery_table_averages_hash_seeds_and_shows_how_far_weights_moved():
+    """Scored with several hash seeds (``C=10 seed=S``): a seed's score is their mean, their spread a column;
+    each arm's weight displacement (L2) over seeds; a third arm, the control with dropout, gets its rows."""
+    result = recovery_result([54.0, 55.0])
+    result["settings"]["score_seeds"] = [0, 1, 2]
+    result["settings"]["distill"] = 1.0
+
+    def hashed(scores: dict, shift: float) -> dict:
+        out = {"unmodified": scores["unmodified"]}
+        for column in ("C=10", "C=25"):
+            for seed, offset in enumerate((-shift, 0.0, shift)):
+                out[f"{column} seed={seed}"] = {"accuracy": scores[column]["accuracy"] + offset}
+        return out
+
+    entry = result["tasks"]["rte"]
+    entry["original"]["scores"] = hashed(entry["original"]["scores"], 1.0)
+    for number, seed in entry["seeds"].items():
+        seed["exact-dropout"] = {"steps": 156, "scores": scored_like(seed["exact"]["scores"], 0.5)}
+        for arm, distance in (("clustered", 0.3), ("exact", 0.2), ("exact-dropout", 0.25)):
+            seed[arm]["scores"] = hashed(seed[arm]["scores"], 0.5)
+            seed[arm]["displacement"] = {"all": distance + int(number) / 10}
+    lines = render_results.recovery_table([result])
+    assert lines[0].endswith("| hash seeds' std, C = 10 | weights moved (L2) |")
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in lines if line.startswith("| rte")}
+    assert rows["checkpoint"][4:] == ["53.00 (-2.00), missed", "55.00 (+0.00)", "1.00", "0 |"]
+    clustered = rows["distilled, C = 10 in the loop (2 seeds)"]
+    assert clustered[4] == "**54.50 ± 0.71 (-0.50)** (1/2 seeds)" and clustered[6:] == [
+        "0.50",
+        "0.35 ± 0.07 |",
+    ]
+    dropout = rows["control: distilled, exact, dropout on (2 seeds)"]
+    assert dropout[4] == "**54.50 ± 0.00 (-0.50)** (2/2 seeds)"
+    assert rows["paired: C = 10 in the loop − exact-dropout, per seed"][4] == "+0.00 ± 0.71 (-0.50, +0.50)"
+    assert "in the student only in the control with dropout on" in lines[-1]
+
+
+def scored_like(scores: dict, shift: float) -> dict:
+    """``scores`` with every value moved by ``shift``."""
+    return {column: {k: v + shift for k, v in metrics.items()} for column, metrics in scores.items()}
 
 
 def test_a_recovery_run_in_parts_shows_the_seeds_each_arm_has():
@@ -367,9 +443,16 @@ def test_a_recovery_run_in_parts_shows_the_seeds_each_arm_has():
         return [line.split(" | ")[2] for line in lines if line.startswith("| rte")]
 
     clustered, control = "fine-tuned, C = 10 in the loop", "control: fine-tuned, exact"
-    assert models() == ["checkpoint", f"{clustered} (2 seeds)", f"{control} (one seed)"]
+    paired = "paired: C = 10 in the loop − exact, per seed"
+    assert models() == ["checkpoint", f"{clustered} (2 seeds)", f"{control} (one seed)", paired]
+    assert "**Partial**" in render_results.recovery_table([result])[-1]
     result["tasks"]["rte"]["seeds"] = {"0": {"clustered": seeds["0"]["clustered"]}}
     assert models() == ["checkpoint", f"{clustered} (one seed)"]
+    result["settings"]["seeds"] = 2  # asked for two, holds one
+    assert "each row counts the seeds it holds of the 2 asked" in render_results.recovery_table([result])[-1]
+    complete = recovery_result([54.0, 55.0])
+    complete["settings"]["seeds"] = 2
+    assert "Partial" not in render_results.recovery_table([complete])[-1]
 
 
 def test_a_clustered_arm_scored_before_the_revert_fix_has_no_unmodified_cell():
@@ -386,7 +469,7 @@ def test_a_clustered_arm_scored_before_the_revert_fix_has_no_unmodified_cell():
     assert clustered_row()[3] == "56.50 ± 0.71 (+1.50)"
     del result["tasks"]["rte"]["seeds"]["0"]["clustered"]["notes"]
     row = clustered_row()
-    assert row[3] == "57.00 (+2.00)" and row[4] == "**54.50 ± 0.71 (-0.50)**"  # seed 1 only; C = 10 both
+    assert row[3] == "57.00 (+2.00)" and row[4] == "**54.50 ± 0.71 (-0.50)** (1/2 seeds)"  # seed 1 only
     del result["tasks"]["rte"]["seeds"]["1"]["clustered"]["notes"]
     assert clustered_row()[3] == "–"
 
@@ -473,18 +556,27 @@ def test_the_long_document_table_shows_the_clustered_copies_scored_exact_when_th
     assert "`--score-exact-too`" in lines[-1] and "at every budget: **no**" in lines[-1]
 
 
-def test_the_claim_table_splits_the_budgets_at_the_clustered_steps_and_counts_each_runs_verdicts():
+def test_the_claim_table_shows_every_run_and_states_the_verdict():
+    """Issue 67: one row per run (its CPU, each budget's clustered minus exact R@1, the steps, its own two
+    verdicts), then every run together; the verdict "not decided", with no split chosen after the data."""
     behind_then_ahead = long_document_result([50, 55, 60], [50, 54, 61])
     ahead_twice = long_document_result([50, 55, 60], [50, 56, 62])  # at least exact at every budget
-    for result in (behind_then_ahead, ahead_twice):  # the 200 s copies past the step threshold
-        result["variants"]["clustered"]["points"][2]["step"] = render_results.CLAIM_STEPS
-    lines = render_results.long_document_claim_table([behind_then_ahead, ahead_twice])
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:5]]
-    rows = {row[0]: row[1:] for row in cells}
-    assert rows["< 60"] == ["2", "1", "+0.00", "-1.00", "+1.00"]
-    assert rows["≥ 60"] == ["2", "2", "+1.50", "+1.00", "+2.00"]
-    assert rows["all"] == ["4", "3", "+0.75", "-1.00", "+2.00"]
-    assert "every budget 1 of 2, exact's final in half the time 0 of 2, both 0 of 2." in lines[-1]
+    ahead_twice["settings"]["seed"] = 1
+    behind_then_ahead["settings"]["questions_per_article"] = 16  # the other: 1, the first run's recipe
+    lines = render_results.long_document_claim_table([behind_then_ahead, ahead_twice], ["Zen 1", "Xeon"])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:-2]]
+    assert rows[0] == ["Zen 1", "0", "100 / 200", "-1.00 / +1.00", "10 / 20 vs 10 / 20", "missed", "missed"]
+    assert rows[1][:4] == ["Xeon, 1 question per article", "1", "100 / 200", "+1.00 / +2.00"]
+    assert rows[1][5:] == ["met", "missed"]
+    assert rows[2] == ["all 2 runs", "", "4 budgets", "mean +0.75, -1.00 to +2.00; at least exact at 3 of 4",
+                       "", "1 of 2", "0 of 2 (both: 0)"]  # fmt: skip
+    assert "Verdict: **not decided**." in lines[-1] and "both ways on every CPU kind" not in lines[-1]
+    assert "≥" not in "\n".join(lines)  # no split of the budgets chosen after the data
+    ahead_twice["variants"]["clustered"]["points"][1]["R@1"] = 54.0  # now behind at 100 s on the Xeon too
+    assert (
+        "The difference goes both ways on every CPU kind (2)."
+        in render_results.long_document_claim_table([behind_then_ahead, ahead_twice], ["Zen 1", "Xeon"])[-1]
+    )
 
 
 def test_the_rescored_table_shows_the_approximations_cost_and_whether_the_rerun_repeated_the_first():

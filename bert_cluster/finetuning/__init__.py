@@ -67,9 +67,10 @@ _RESUME_KEYS = (
     "limit",
     "distill",
     "distill_temperature",
+    "distill_dropout",
 )
 #: What a resume key was before it existed (a run started by an older version trained with it).
-_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None}
+_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None, "distill_dropout": False}
 #: The model class each loss trains (the head computes that loss from the features' labels).
 _HEADS = {
     "cross-entropy": "AutoModelForSequenceClassification",
@@ -385,6 +386,7 @@ def finetune(
     device: str = "cpu",
     distill: float = 0.0,
     distill_temperature: float = 1.0,
+    distill_dropout: bool = False,
     reporter: Any = None,
     callbacks: Sequence[Any] = (),
 ) -> FinetuneResult:
@@ -415,6 +417,8 @@ def finetune(
             attention (frozen, the teacher) in the loss, ``(1 - distill) * task loss + distill * distance``;
             1 trains towards the teacher alone (``distillation``). The checkpoint must have the task's head.
         distill_temperature: the softmax temperature of that distance for classes and spans.
+        distill_dropout: keep the student's dropout on under ``distill`` (off by default): the noise that
+            moves an exact-attention control as the approximation moves the clustered run.
         reporter: progress callbacks (``evaluation.runner.Reporter``: start, task, configuration,
             advance, finish); None: silent.
         callbacks: further ``transformers.TrainerCallback`` objects.
@@ -438,6 +442,8 @@ def finetune(
             f"distill must be a number from 0 to 1 (the distillation loss's weight), got {distill!r}"
         )
     distill_temperature = _number("distill_temperature", distill_temperature, float, allow_none=False)
+    if distill_dropout and not distill:
+        raise UserError("distill_dropout needs distill > 0 (fine-tuning on the labels has its dropout on)")
     if epochs is not None and max_steps is not None:
         raise UserError("give epochs or max_steps, not both")
     if exact and attention:
@@ -474,6 +480,7 @@ def finetune(
         "device": device,
         "distill": float(distill),
         "distill_temperature": distill_temperature if distill > 0 else None,
+        "distill_dropout": bool(distill_dropout),
     }
     if settings["max_steps"] is not None:
         settings["epochs"] = None
@@ -578,7 +585,7 @@ def _train(
     label = "exact attention" if config is None else f"{config.mode}, C={config.clusters}"
     label = f"{label}, {'LoRA' if settings['lora'] else 'full'}"
     if teacher is not None:
-        label = f"{label}, distilled {settings['distill']:g}"
+        label = f"{label}, distilled {settings['distill']:g}{' with dropout' * settings['distill_dropout']}"
     label = f"fine-tuning ({label})"
     clock = TrainingClock.resuming(resume_from)
     guard, at_the_end = FiniteGuard(), StopAtTheEnd()
@@ -602,6 +609,7 @@ def _train(
             weight=settings["distill"],
             temperature=settings["distill_temperature"],
             loss=task.train.loss,
+            dropout=settings["distill_dropout"],
         )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its dicts on stdout: the report
     try:
