@@ -12,11 +12,13 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -548,6 +550,27 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 
 # --- the paper's steps -------------------------------------------------------------------------------
 
+#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
+_replacement: Any = None
+
+
+@contextlib.contextmanager
+def replaced_steps(steps: Any) -> Iterator[None]:
+    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
+
+    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
+    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
+    the attention output; short rows still run exact attention. For the whole process, not one thread;
+    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
+    through it.
+    """
+    global _replacement
+    before, _replacement = _replacement, steps
+    try:
+        yield
+    finally:
+        _replacement = before
+
 
 def _clustered(
     backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
@@ -557,6 +580,10 @@ def _clustered(
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
     result as the steps one by one (``composed_heads``). With attention dropout, ``dropped``.
     """
+    if _replacement is not None:
+        if dropout:
+            raise ValueError("steps replaced by attention.replaced_steps run without attention dropout")
+        return _replacement(backend, query, key, value, valid, config, clusters, topk, scaling, layer)
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     if dropout:
         return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)
