@@ -13,11 +13,13 @@ marked region; ``--check`` rewrites nothing and exits 1, listing the stale regio
 differs from its rendering (tests/test_render_results.py runs it), so that a figure cannot drift from its
 measurement. docs/results/README.md's index of the kept files is rendered the same way.
 
-docs/benchmarks.md holds one current table set per CPU kind (the registry's ``cpu_kinds``), each headed by
-a table of the machine its files recorded; the README's ``summary-cpus`` has one row per kind, from the
-same files. A table whose runs a later run of the same kind replaced is *superseded*: it leaves the pages,
-its figures are quoted in CHANGELOG.md (which ``--check`` requires to name each of its files), and its
-files stay in the index, marked so, and must still render.
+docs/benchmarks.md holds, per ISA level (the registry's ``isa_levels``), the latest run of each benchmark,
+headed by a table of the machines its files recorded; the README's ``summary-isa`` has one row per level,
+each cell naming the CPU its figures come from. A run that a later run of its level moved off the pages is
+*history*: the results index shows it in full, under its CPU kind (``cpu_kinds``: each kind's machine
+table, and ``summary-cpus``, one row per kind). A table whose runs a later run of the same CPU kind
+replaced is *superseded*: it is on no page, its figures are quoted in CHANGELOG.md (which ``--check``
+requires to name each of its files), and its files stay in the index, marked so, and must still render.
 
 Usage::
 
@@ -64,41 +66,42 @@ class Table:
     render: Callable[[list[dict]], list[str]]  # the loaded files, in order -> Markdown lines
     #: The current table that replaced this one ("" while current): shown nowhere, quoted in CHANGELOG.md.
     superseded_by: str = ""
+    #: An earlier run of its ISA level: shown in the results index's per-CPU history only.
+    history: bool = False
 
 
 @dataclass(frozen=True)
-class CpuKind:
-    """A CPU kind of docs/benchmarks.md: its name, and its current tables by part (None: not measured)."""
+class Section:
+    """A set of tables by the summary's parts (None: not measured): an ISA level of docs/benchmarks.md
+    (its current run of each benchmark) or a CPU kind of the results index (every run on that kind)."""
 
-    key: str  # the section's table, ``cpu-KEY``
-    name: str  # model and ISA, as the section's heading says them
+    key: str  # its machine table, ``isa-KEY`` or ``cpu-KEY``
+    name: str  # as its heading and the summary's row say it
+    short: str = ""  # a CPU kind's name in the ISA summary's cells
     attention: str | None = None  # benchmarks.attention, one call, 1 row, C = 25, k = 32 (fp32 runs used)
     long: str | None = None  # benchmarks.long_context (timing files first)
     peers: str | None = None  # benchmarks.peers
     training: str | None = None  # benchmarks.training --parts step
-    others: tuple[str, ...] = ()  # its other current tables (machine table only)
+    others: tuple[str, ...] = ()  # its other tables (machine table only)
 
     def parts(self) -> dict[str, str]:
-        """The summary's parts this kind measured, by part, in the summary's order."""
-        named = {
-            "attention": self.attention,
-            "long": self.long,
-            "peers": self.peers,
-            "training": self.training,
-        }
+        """The summary's parts this section measured, by part, in the summary's order."""
+        named = {"attention": self.attention, "long": self.long, "peers": self.peers}
+        named["training"] = self.training
         return {part: name for part, name in named.items() if name}
 
     def tables(self) -> tuple[str, ...]:
-        """Every current table of the kind's section."""
+        """Every table of the section."""
         return tuple(dict.fromkeys((*self.parts().values(), *self.others)))
 
 
 @dataclass(frozen=True)
 class Registry:
-    """``registry.yaml`` read: the measured tables, then the derived ones (machines, summary)."""
+    """``registry.yaml`` read: the measured tables, then the derived ones (machines, summaries)."""
 
     tables: tuple[Table, ...]
-    kinds: tuple[CpuKind, ...]
+    levels: tuple[Section, ...]  # docs/benchmarks.md's sections, the README's speed table's rows
+    kinds: tuple[Section, ...]  # the results index's per-CPU history
     #: file -> (what it is, the page that shows or cites it): kept files no table renders.
     extra_files: dict[str, tuple[str, str]]
 
@@ -117,15 +120,17 @@ def renderer(spec: str, options: dict[str, Any], where: str) -> Callable[[list[d
 
 
 def measured_table(entry: dict[str, Any]) -> Table:
-    """One entry of ``tables``, checked: every key known, the status current or superseded by a name."""
+    """One entry of ``tables``, checked: every key known, the status current, history or superseded."""
     where = f"{REGISTRY.name}: table {entry.get('name')!r}"
     keys = {"name", "status", "pages", "table", "options", "command", "files"}
     if unknown := set(entry) - keys:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {', '.join(sorted(keys))})")
     status = entry.get("status", "")
     superseded = SUPERSEDED.fullmatch(status)
-    if status != "current" and superseded is None:
-        raise ValueError(f"{where}: status must be current or 'superseded by NAME', got {status!r}")
+    if status not in ("current", "history") and superseded is None:
+        raise ValueError(f"{where}: status must be current, history or 'superseded by NAME', got {status!r}")
+    if status == "history" and tuple(entry.get("pages", ())) != (INDEX,):
+        raise ValueError(f"{where}: a history table is shown in {INDEX} only")
     return Table(
         name=entry["name"],
         files=tuple(entry.get("files", ())),
@@ -133,6 +138,7 @@ def measured_table(entry: dict[str, Any]) -> Table:
         command=entry["command"],
         render=renderer(entry["table"], entry.get("options", {}), where),
         superseded_by=superseded["name"] if superseded else "",
+        history=status == "history",
     )
 
 
@@ -143,9 +149,12 @@ def load_registry(path: Path = REGISTRY) -> Registry:
     names = [t.name for t in measured]
     if twice := sorted({name for name in names if names.count(name) > 1}):
         raise ValueError(f"{path.name}: table {twice[0]!r} is registered twice (a name is one table)")
-    kinds = tuple(CpuKind(**{**kind, "others": tuple(kind.get("others", ()))}) for kind in data["cpu_kinds"])
+    levels, kinds = (
+        tuple(Section(**{**item, "others": tuple(item.get("others", ()))}) for item in data[key])
+        for key in ("isa_levels", "cpu_kinds")
+    )
     extra = {item["file"]: (item["what"], item["page"]) for item in data.get("extra_files", ())}
-    return Registry(measured + derived_tables(measured, kinds), kinds, extra)
+    return Registry(measured + derived_tables(measured, levels, kinds), levels, kinds, extra)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -229,66 +238,87 @@ def summary_cell(part: str, results: list[dict]) -> str:
     return joined(["–" if v is None else times(v) for v in values]) + suffix
 
 
-def summary_table(results: list[dict], kinds: Sequence[CpuKind], counts: dict[str, int]) -> list[str]:
-    """One row per CPU kind: its current tables' headline ratios (files: each kind's parts, in order)."""
+#: The summaries' columns after the first, and what their caption says of them.
+SUMMARY_HEADER = [
+    "one call, i-clustered × SDPA, 512 / 4,096 tokens",
+    "whole model × unmodified, 8,192 / 16,384",
+    "× fastest peer, 8,192 / 16,384",
+    "training step × unmodified, 4,096 / 16,384",
+    "dates",
+]
+SUMMARY_CAPTION = (
+    "fp32, 2 threads. One call: 1 row, 12 heads × 64, C = 25, k = 32, the lower of the runs; whole model "
+    "and peers: the MiniLM-16k proxy, one document at a time, `convert`'s defaults; training: a step of "
+    "that proxy with a classification head; –: not measured"
+)
+
+
+def summary_table(
+    results: list[dict], sections: Sequence[Section], counts: dict[str, int], cpus: dict[str, str]
+) -> list[str]:
+    """One row per section: its parts' headline ratios (files: each section's parts, in order); with
+    ``cpus`` (table -> CPU kind), each cell names the CPU its figures come from."""
     rows, start = [], 0
-    for kind in kinds:
-        row, dates = [kind.name], []
+    for section in sections:
+        row, dates = [section.name], []
         for part in ("attention", "long", "peers", "training"):
-            name = kind.parts().get(part)
+            name = section.parts().get(part)
             if name is None:
                 row.append("–")
                 continue
             mine = results[start : start + counts[name]]
             start += counts[name]
-            row.append(summary_cell(part, mine))
+            cell = summary_cell(part, mine)
+            row.append(f"{cell}, {cpus[name]}" if cpus and cell != "–" else cell)
             dates += [recorded(r)["date"] for r in mine]
         row.append(distinct(dates))
         rows.append(row)
     if start != len(results):
         raise ValueError(f"summary_table: {len(results)} files, {start} read")
-    header = [
-        "CPU",
-        "one call, i-clustered × SDPA, 512 / 4,096 tokens",
-        "whole model × unmodified, 8,192 / 16,384",
-        "× fastest peer, 8,192 / 16,384",
-        "training step × unmodified, 4,096 / 16,384",
-        "dates",
-    ]
-    caption = (
-        "fp32, 2 threads. One call: 1 row, 12 heads × 64, C = 25, k = 32, the lower of the runs; whole "
-        "model and peers: the MiniLM-16k proxy, one document at a time, `convert`'s defaults; training: "
-        "a step of that proxy with a classification head; –: not measured on that CPU. Each CPU's "
-        "tables, commands and machine: docs/benchmarks.md."
-    )
-    return table_lines(header, "lrrrrl", rows) + ["", caption]
+    if cpus:
+        caption = (
+            f"{SUMMARY_CAPTION}; each cell: the latest run of its ISA level, on the CPU it names (CUDA: not "
+            "measured yet). The tables, commands and machines: docs/benchmarks.md; every CPU kind's: "
+            "docs/results/README.md."
+        )
+        return table_lines(["ISA level", *SUMMARY_HEADER], "llllll", rows) + ["", caption]
+    caption = f"{SUMMARY_CAPTION} on that CPU. Each CPU's tables and machine: below, and docs/benchmarks.md."
+    return table_lines(["CPU", *SUMMARY_HEADER], "lrrrrl", rows) + ["", caption]
 
 
-def derived_tables(measured: Sequence[Table], kinds: Sequence[CpuKind]) -> tuple[Table, ...]:
-    """Each CPU kind's machine table and the README's summary, from the kinds' current tables' files."""
+def derived_tables(
+    measured: Sequence[Table], levels: Sequence[Section], kinds: Sequence[Section]
+) -> tuple[Table, ...]:
+    """Each ISA level's and each CPU kind's machine table, and their summaries (the README's per ISA
+    level, the results index's per CPU kind), from their tables' files."""
     by_name = {t.name: t for t in measured}
+    cpus = {name: kind.short or kind.name for kind in kinds for name in kind.tables()}
     out = []
-    for kind in kinds:
-        mine = [by_name[name] for name in kind.tables()]
+    for prefix, page, sections in (("isa", BENCHMARKS, levels), ("cpu", INDEX, kinds)):
+        for section in sections:
+            mine = [by_name[name] for name in section.tables()]
+            out.append(
+                Table(
+                    f"{prefix}-{section.key}",
+                    tuple(file for t in mine for file in t.files),
+                    (page,),
+                    "(the files of the section's tables, as they recorded their machine)",
+                    functools.partial(machine_table, tables=[(t.name, len(t.files)) for t in mine]),
+                )
+            )
+    for name, page, sections, named in (("isa", README, levels, cpus), ("cpus", INDEX, kinds, {})):
+        parts = [by_name[table] for section in sections for table in section.parts().values()]
         out.append(
             Table(
-                f"cpu-{kind.key}",
-                tuple(file for t in mine for file in t.files),
-                (BENCHMARKS,),
-                "(the files of the section's tables, as they recorded their machine)",
-                functools.partial(machine_table, tables=[(t.name, len(t.files)) for t in mine]),
+                f"summary-{name}",
+                tuple(file for t in parts for file in t.files),
+                (page,),
+                "(the files of each section's tables)",
+                functools.partial(
+                    summary_table, sections=sections, counts={t.name: len(t.files) for t in parts}, cpus=named
+                ),
             )
         )
-    parts = [by_name[name] for kind in kinds for name in kind.parts().values()]
-    out.append(
-        Table(
-            "summary-cpus",
-            tuple(file for t in parts for file in t.files),
-            (README,),
-            "(the files of each CPU kind's tables in docs/benchmarks.md)",
-            functools.partial(summary_table, kinds=kinds, counts={t.name: len(t.files) for t in parts}),
-        )
-    )
     return tuple(out)
 
 
@@ -304,7 +334,7 @@ def index_table(registry: Registry) -> list[str]:
             state = f"superseded by `{entry.superseded_by}`"
         else:
             pages = ", ".join(f"[{Path(d).name}](../../{d})" for d in entry.pages)
-            state = "current"
+            state = "history" if entry.history else "current"
         files = "<br>".join(f"`{file}`" for file in entry.files)
         rows.append([files, f"`{entry.name}`", state, pages, f"`{entry.command}`"])
     for file, (what, page) in registry.extra_files.items():
