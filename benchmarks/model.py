@@ -143,7 +143,7 @@ def main() -> None:
             f"{r['batch']:>5}  {r['tokens']:>6}  {r['variant']:<16}  {r['median_ms']:>10.1f}  "
             f"{r['tokens_per_s']:>10.0f}  {r['speedup_median_of_ratios']:>7.2f}"
         )
-    measured = crossover.measured()
+    measured = crossover.stored()
     if "auto" in models:
         print(f"auto crossovers in {crossover.cache_dir()}: {sorted(set(measured.values()))}")
     machine = environment(args.threads)

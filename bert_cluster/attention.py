@@ -12,13 +12,13 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,6 +59,28 @@ def hash_planes(
     cached on each device they are used on.
     """
     return _device_planes(seed, layer, bits, head_dim, torch.device(device))
+
+
+#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
+_replacement: Any = None
+
+
+@contextlib.contextmanager
+def replaced_steps(steps: Any) -> collections.abc.Iterator[None]:
+    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
+
+    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
+    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
+    the attention output; short rows still run exact attention. For the whole process, not one thread;
+    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
+    through it.
+    """
+    global _replacement
+    before, _replacement = _replacement, steps
+    try:
+        yield
+    finally:
+        _replacement = before
 
 
 def _check_inputs(query, key, value, valid, name: str) -> None:
@@ -549,27 +571,6 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 
 
 # --- the paper's steps -------------------------------------------------------------------------------
-
-#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
-_replacement: Any = None
-
-
-@contextlib.contextmanager
-def replaced_steps(steps: Any) -> Iterator[None]:
-    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
-
-    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
-    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
-    the attention output; short rows still run exact attention. For the whole process, not one thread;
-    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
-    through it.
-    """
-    global _replacement
-    before, _replacement = _replacement, steps
-    try:
-        yield
-    finally:
-        _replacement = before
 
 
 def _clustered(

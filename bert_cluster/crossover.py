@@ -85,8 +85,8 @@ def cache_dir() -> Path:
     return environment.cache_dir()
 
 
-def measured() -> dict[str, int]:
-    """The crossovers in this machine's cache file, by what each was measured for (its facts as JSON).
+def stored() -> dict[str, int]:
+    """The crossovers stored in this machine's cache file, by what each was measured for (its facts as JSON).
 
     What a benchmark of ``min_length="auto"`` records beside its timings; a file that cannot be read, or
     an entry without a valid figure, counts as none.

@@ -222,7 +222,7 @@ def python_files() -> list[Path]:
 
 def test_benchmarks_use_only_the_packages_public_names():
     """Issue 70: a benchmark that needs an internal gets a public hook (``attention.replaced_steps``,
-    ``crossover.measured``), never a private import or a monkeypatch."""
+    ``crossover.stored``), never a private import or a monkeypatch."""
     found = {
         str(path.relative_to(REPO)): reaches
         for path in sorted(BENCHMARKS.glob("*.py"))
@@ -258,7 +258,7 @@ def test_no_file_edits_the_import_path():
             ["line 2: attention._clustered"],
         ),
         ("import bert_cluster\nbert_cluster._hook.install()\n", ["line 2: bert_cluster._hook"]),
-        ("from bert_cluster import crossover\ncrossover.measured()\n", []),
+        ("from bert_cluster import crossover\ncrossover.stored()\n", []),
         ("from bert_cluster import __version__\nimport os\nos._exit(0)\n", []),
     ],
 )

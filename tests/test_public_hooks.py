@@ -1,7 +1,7 @@
 """The package's public hooks for its benchmarks (issue 70): what a benchmark needs, without private names.
 
 ``attention.replaced_steps`` runs candidate steps in place of the paper's (``benchmarks.fidelity_screen``);
-``crossover.measured`` reads the min_length="auto" figures a benchmark records (``benchmarks.model``).
+``crossover.stored`` reads the min_length="auto" figures a benchmark records (``benchmarks.model``).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def test_replaced_steps_nest_and_are_restored_after_an_error():
     assert not clustered_attention(q, k, v, valid, CONFIG).eq(1.0).all()
 
 
-def test_measured_reads_the_figures_of_the_cache_file(tmp_path, monkeypatch):
+def test_stored_reads_the_figures_of_the_cache_file(tmp_path, monkeypatch):
     monkeypatch.setenv(crossover.CACHE_ENV, str(tmp_path))
-    assert crossover.measured() == {}  # no file yet
+    assert crossover.stored() == {}  # no file yet
     stored = {
         '{"backend": "cpu"}': {"min_length": 384, "facts": {}},
         '{"backend": "cuda"}': {"min_length": 0},
@@ -75,6 +75,6 @@ def test_measured_reads_the_figures_of_the_cache_file(tmp_path, monkeypatch):
         '{"broken": 3}': 7,
     }
     (tmp_path / crossover.CACHE_FILE).write_text(json.dumps(stored))
-    assert crossover.measured() == {'{"backend": "cpu"}': 384, '{"backend": "cuda"}': 0}
+    assert crossover.stored() == {'{"backend": "cpu"}': 384, '{"backend": "cuda"}': 0}
     (tmp_path / crossover.CACHE_FILE).write_text("{not json")
-    assert crossover.measured() == {}
+    assert crossover.stored() == {}
