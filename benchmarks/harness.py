@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: forward of minilm-l6-16k at 16,384 tokens peaked between 397 and 520 MiB above its start over five
 #: runs, patched or not. With the threshold fixed at glibc's initial 128 KiB both peaked at 321 MiB.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-#: The kernels' facts (``bert_cluster.info()``) every results file carries at its top level.
+#: The kernels' facts (``bert_cluster.info()``) that ``environment()`` lifts to its top level.
 KERNEL_FACTS = ("kernels_loaded", "kernels_reason", "compiler", "kernels_cpu_isa", "auto_backend_cpu")
 ORDERS = ("interleaved", "alternating", "blocked")
 

@@ -113,7 +113,10 @@ class Registry:
 def renderer(spec: str, options: dict[str, Any], where: str) -> Callable[[list[dict]], list[str]]:
     """``MODULE.FUNCTION`` of benchmarks/ with the entry's options bound."""
     module, _, function = spec.rpartition(".")
-    found = getattr(importlib.import_module(f"benchmarks.{module}"), function, None) if module else None
+    try:
+        found = getattr(importlib.import_module(f"benchmarks.{module}"), function, None) if module else None
+    except ModuleNotFoundError:
+        found = None
     if not callable(found):
         raise ValueError(f"{where}: table {spec!r} is no function of benchmarks/ (write MODULE.FUNCTION)")
     return functools.partial(found, **options)

@@ -67,6 +67,7 @@ def test_the_registry_is_data_and_the_renderer_code_only():
             "table 'attention.no_such_table' is no function of benchmarks/",
         ),
         ({"table": "speed_table"}, "is no function of benchmarks/ (write MODULE.FUNCTION)"),
+        ({"table": "nosuch.table"}, "table 'nosuch.table' is no function of benchmarks/"),
     ],
 )
 def test_a_registry_entry_that_is_wrong_is_refused_naming_it(tmp_path, change, message):
