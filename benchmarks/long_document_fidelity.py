@@ -505,7 +505,12 @@ def long_document_claim_table(results: list[dict], cpus: Sequence[str]) -> list[
         per_article = result["settings"].get("questions_per_article", 1)
         rows.append(
             [
-                cpu + ("" if per_article == 16 else f", {per_article} question per article"),
+                cpu
+                + (
+                    ""
+                    if per_article == 16
+                    else f", {per_article} question{'s' * (per_article > 1)} per article"
+                ),
                 str(result["settings"]["seed"]),
                 joined([f"{p['budget']:,.0f}" for p in clustered]),
                 joined([signed(gap) for gap in gaps]),
@@ -551,7 +556,7 @@ def long_document_claim_table(results: list[dict], cpus: Sequence[str]) -> list[
     both_ways = [cpu for cpu, gaps in by_cpu.items() if min(gaps) < 0 <= max(gaps)]
     if len(both_ways) == len(by_cpu):
         caption += f" The difference goes both ways on every CPU kind ({len(by_cpu)})."
-    return table_lines(header, "lrllllll"[: len(header)], rows) + ["", caption]
+    return table_lines(header, "lrlllll", rows) + ["", caption]
 
 
 if __name__ == "__main__":
