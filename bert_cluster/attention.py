@@ -12,6 +12,8 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
+import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -57,6 +59,28 @@ def hash_planes(
     cached on each device they are used on.
     """
     return _device_planes(seed, layer, bits, head_dim, torch.device(device))
+
+
+#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
+_replacement: Any = None
+
+
+@contextlib.contextmanager
+def replaced_steps(steps: Any) -> collections.abc.Iterator[None]:
+    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
+
+    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
+    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
+    the attention output; short rows still run exact attention. For the whole process, not one thread;
+    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
+    through it.
+    """
+    global _replacement
+    before, _replacement = _replacement, steps
+    try:
+        yield
+    finally:
+        _replacement = before
 
 
 def _check_inputs(query, key, value, valid, name: str) -> None:
@@ -557,6 +581,10 @@ def _clustered(
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
     result as the steps one by one (``composed_heads``). With attention dropout, ``dropped``.
     """
+    if _replacement is not None:
+        if dropout:
+            raise ValueError("steps replaced by attention.replaced_steps run without attention dropout")
+        return _replacement(backend, query, key, value, valid, config, clusters, topk, scaling, layer)
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     if dropout:
         return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)
