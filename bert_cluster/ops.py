@@ -378,67 +378,6 @@ def clustered_heads_partition(*args) -> tuple[torch.Tensor, ...]:
 # N x N) and differentiates it. Hashing and K-means have integer outputs only.
 
 
-def _vjp(function, arguments: list, wanted: list[int], grads: tuple) -> list:
-    """Gradients of ``function(*arguments)`` with respect to ``arguments[i]`` for i in ``wanted``.
-
-    ``function`` returns a tuple aligned with ``grads`` (None where an output is integer); a None
-    gradient (an integer output, or an output nobody used) is skipped.
-    """
-    with torch.enable_grad():
-        leaves = list(arguments)
-        for i in wanted:
-            leaves[i] = arguments[i].detach().requires_grad_(True)
-        outputs = function(*leaves)
-        used = [
-            (out, grad)
-            for out, grad in zip(outputs, grads, strict=True)
-            if grad is not None and out is not None and out.requires_grad
-        ]
-        found = torch.autograd.grad(
-            [out for out, _ in used],
-            [leaves[i] for i in wanted],
-            [grad for _, grad in used],
-            allow_unused=True,
-        )
-    return [
-        torch.zeros_like(arguments[i]) if grad is None else grad
-        for i, grad in zip(wanted, found, strict=True)
-    ]
-
-
-def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept_outputs=()) -> None:
-    """Register the gradient of ``recompute(*inputs, *kept_outputs)`` as ``op``'s backward.
-
-    ``recompute`` takes the op's inputs followed by the forward's outputs named in ``kept_outputs`` (the
-    discrete choices), and returns a tuple aligned with the op's outputs (None for integer ones).
-    ``differentiable`` are the indices of the op's float inputs that can receive a gradient.
-    """
-
-    def setup_context(ctx, inputs, output):
-        outputs = output if isinstance(output, tuple) else (output,)
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)] + [outputs[i] for i in kept_outputs]
-        ctx.save_for_backward(*tensors)
-        ctx.constants = [None if isinstance(t, torch.Tensor) else t for t in inputs]
-
-    def backward(ctx, *grads):
-        tensors = iter(ctx.saved_tensors)
-        inputs = [next(tensors) if constant is None else constant for constant in ctx.constants]
-        arguments = inputs + list(tensors)
-        wanted = [i for i in differentiable if ctx.needs_input_grad[i]]
-        found = _vjp(
-            recompute,
-            arguments,
-            wanted,
-            tuple(g if g is not None and g.is_floating_point() else None for g in grads),
-        )
-        result: list = [None] * len(inputs)
-        for i, grad in zip(wanted, found, strict=True):
-            result[i] = grad
-        return tuple(result)
-
-    torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
-
-
 # The refinements' backward as ops: the kernels (kernels/cpu/backward.cpp, kernels/cuda/backward.cu and
 # plus.cu) where they are built, and elsewhere (a build without kernels, another device) the gradient of
 # the reference function, registered for every other device as a composite. Inputs float32 and contiguous
