@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Bumped whenever the meaning of a field changes, so old results.json files stay interpretable.
 #: 2: cluster_growth and topk_growth (version-1 dicts load with both 0, what they meant); min_length "auto".
@@ -56,6 +56,13 @@ def check_int(name: str, value: Any, low: int, high: int, also: str = "") -> Non
     if value < low:
         raise ValueError(f"{name} must be >= {low}{also}, got {value}")
     raise ValueError(f"{name} must be <= {high}{also}, got {value}")
+
+
+class RowSettings(NamedTuple):
+    """The cluster count C and top-k of a row of a given valid length (``config.row_settings``)."""
+
+    clusters: int
+    topk: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,13 +176,14 @@ class ClusteredAttentionConfig:
         check_setting_names(changes)
         return cls(**{**EVALUATION_SETTINGS, **changes})
 
-    def row_settings(self, length: int) -> tuple[int, int]:
+    def row_settings(self, length: int) -> RowSettings:
         """``(clusters, topk)`` for a row of ``length`` valid tokens (see ``cluster_growth``)."""
         if length <= GROWTH_START:
-            return self.clusters, self.topk
+            return RowSettings(self.clusters, self.topk)
         ratio = length / GROWTH_START
         clusters = round(self.clusters * ratio**self.cluster_growth)
-        return min(MAX_COUNT, clusters), min(MAX_COUNT, round(self.topk * ratio**self.topk_growth))
+        topk = round(self.topk * ratio**self.topk_growth)
+        return RowSettings(min(MAX_COUNT, clusters), min(MAX_COUNT, topk))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``version`` key, as stored in ``model.config`` and results.json."""
