@@ -21,7 +21,7 @@ from typing import Generic, ParamSpec, TypeVar
 
 import torch
 
-from bert_cluster import _loader, attention, reference, steps
+from bert_cluster import _loader, reference, steps
 
 NAMESPACE = "bert_cluster"
 
@@ -34,31 +34,31 @@ R = TypeVar("R")
 
 
 class Op(Generic[P, R]):
-    """The op ``bert_cluster::<name>``, declared by the function of the package that defines it.
+    """The op ``bert_cluster::<name>``, declared by the function that defines it.
 
     Its schema is the function's signature, inferred by ``torch.library.infer_schema`` (ints are int64:
     the kernels take ``int64_t`` and the fakes size their outputs with them, where a ``SymInt`` would make
     ``torch.compile`` pass symbols). Calling it loads ``_C`` on first use and runs the dispatcher's kernel.
 
     Args:
-        reference: the step's function, as ``bert_cluster.steps`` names it (checked).
-        name: the op's name when it is not the function's (the fused ops).
+        declaration: the step's reference function (``bert_cluster.steps`` names it; tests/test_steps.py
+            checks that the op has its signature), or a signature of its own where that function stands
+            above this module (the fused ops, composed in ``attention``).
+        name: the op's name when it is not the function's.
         mutates: the arguments the op writes into.
     """
 
     def __init__(
-        self, reference: Callable[P, R], *, name: str | None = None, mutates: tuple[str, ...] = ()
+        self, declaration: Callable[P, R], *, name: str | None = None, mutates: tuple[str, ...] = ()
     ) -> None:
-        self.__name__ = name or reference.__name__
-        step = steps.BY_NAME[self.__name__]
-        defined_by = f"{reference.__module__}.{reference.__name__}"
-        if defined_by != f"{__package__}.{step.reference}":
-            raise ValueError(f"op {self.__name__}: steps.py names {step.reference}, not {defined_by}")
-        schema = torch.library.infer_schema(reference, mutates_args=mutates).replace("SymInt", "int")
+        self.__name__ = name or declaration.__name__
+        schema = torch.library.infer_schema(declaration, mutates_args=mutates).replace("SymInt", "int")
         _LIB.define(self.__name__ + schema)
         self.overload = getattr(_ops, self.__name__).default
-        self.__signature__ = inspect.signature(reference)
-        self.__doc__ = f"``torch.ops.{NAMESPACE}.{self.__name__}``: see ``{step.reference}``."
+        self.__signature__ = inspect.signature(declaration)
+        self.__doc__ = (
+            f"``torch.ops.{NAMESPACE}.{self.__name__}``: see ``{steps.BY_NAME[self.__name__].reference}``."
+        )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Run the op (the kernel of the inputs' device)."""
@@ -206,10 +206,20 @@ def _(centroids, keys, values, *rest):
 
 
 # Every step of one attention call as one op (kernels/cpu/pipeline.cpp): the steps above, run per (row, head)
-# in one parallel region, with their results bit for bit. attention.composed_heads composes the same steps
-# one by one on the backends that lack it. Its result is a view of (R, N, H, Dv) memory (``.transpose(1, 2)``
-# of it is contiguous): the layout transformers takes attention's output in, so handing it over costs no copy.
-clustered_heads = Op(attention.composed_heads, name="clustered_heads")
+# in one parallel region, with their results bit for bit. Its reference, attention.composed_heads, composes
+# the same steps one by one (on the backends that lack the op too) and has this signature (test_steps.py).
+def _one_call(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+    planes: torch.Tensor, offsets: torch.Tensor, clusters: int, topk: int, iterations: int, mode: str,
+    lloyd_rounds: int, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """Hashing to refinement: float32 ``(R, H, N, Dv)``, a view of ``(R, N, H, Dv)`` memory.
+
+    The layout transformers takes attention's output in, so handing it over costs no copy.
+    """
+
+
+clustered_heads = Op(_one_call, name="clustered_heads")
 
 
 @clustered_heads.register_fake
@@ -218,10 +228,22 @@ def _(queries, keys, values, *settings):
     return queries.new_empty((rows, length, heads, values.shape[-1]), dtype=torch.float32).transpose(1, 2)
 
 
-# The same and the partition it used (what a recording pass keeps for the backward): ``(out, assignments,
-# centroids, centroid_values, topk_indices, topk_mass, topk_values)``, the last six as the separate steps
-# give them (``attention.Partition``).
-clustered_heads_partition = Op(attention.composed_heads_partition, name="clustered_heads_partition")
+# The same and the partition it used (what a recording pass keeps for the backward); its reference is
+# attention.composed_heads_partition.
+def _one_call_partition(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+    planes: torch.Tensor, offsets: torch.Tensor, clusters: int, topk: int, iterations: int, mode: str,
+    lloyd_rounds: int, scaling: float,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:  # fmt: skip
+    """``(out, assignments, centroids, centroid_values, topk_indices, topk_mass, topk_values)``.
+
+    ``out`` as ``clustered_heads`` gives it, the rest as the separate steps do (``attention.Partition``).
+    """
+
+
+clustered_heads_partition = Op(_one_call_partition, name="clustered_heads_partition")
 
 
 @clustered_heads_partition.register_fake

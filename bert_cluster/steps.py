@@ -3,9 +3,10 @@
 ``STEPS``: each step's name, the function of ``bert_cluster.reference`` that defines it, the backends whose
 kernels compile its op and how its gradient is computed. The reference function also declares the op:
 ``ops.py`` takes the ``bert_cluster::<name>`` schema and the typed wrapper from its signature (and keeps
-the fake kernel and the autograd formula beside it), ``dispatch.py``'s backends run the op where this
-table says their kernels compile it and the reference elsewhere, and the tests check the table against
-the registrations in ``torch.ops``. Adding a step: ``kernels/README.md``.
+the fake kernel and the autograd formula beside it; the fused ops, whose reference composes the steps in
+``attention.py``, above ``ops.py``, are declared there by a signature of their own), ``dispatch.py``'s
+backends run the op where this table says their kernels compile it and the reference elsewhere, and the
+tests check the table against the registrations in ``torch.ops``. Adding a step: ``kernels/README.md``.
 
 ``MODES``: what each attention mode computes, in terms of those steps (``attention.partition`` and
 ``attention.refined`` compose them; ``ops.clustered_steps_backward`` chains their backward).
