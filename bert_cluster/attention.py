@@ -17,12 +17,15 @@ import functools
 import math
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from bert_cluster import environment
-from bert_cluster.config import AUTO, ClusteredAttentionConfig, RowSettings
+from bert_cluster.config import AUTO, ClusteredAttentionConfig, RowSettings, config_of, number_of
+
+if TYPE_CHECKING:  # the backends import the ops, which `import bert_cluster` must not load
+    from bert_cluster.dispatch import Backend
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
 
@@ -131,9 +134,8 @@ def clustered_attention(
         # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
         if valid is None:
             valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
-        return _clustered_attention_op(
-            query, key, value, valid, *_config_args(config), scaling, layer, dropout, seed
-        )
+        number = number_of(config)  # the op takes the config as its number (config.number_of)
+        return _clustered_attention_op(query, key, value, valid, number, scaling, layer, dropout, seed)
     return _route(query, key, value, valid, config, scaling, layer, dropout, seed)
 
 
@@ -168,7 +170,7 @@ def _part_seed(seed: int, part: int) -> int:
 class _Plan:
     """Which backend and which rows go where, decided once per (valid mask, settings, shapes)."""
 
-    backend: Any  # a dispatch.Backend
+    backend: Backend
     short: list[int]  # rows for exact attention
     short_lengths: list[int]  # their valid lengths
     short_prefix: bool  # every short row's valid tokens are a prefix (right padding or none)
@@ -410,27 +412,6 @@ def windowed_attention(
 
 # --- torch.compile: the whole routing as one opaque op -------------------------------------------------
 
-_CONFIG_FIELDS = (
-    "clusters",
-    "topk",
-    "bits",
-    "iterations",
-    "mode",
-    "min_length",
-    "cluster_growth",
-    "topk_growth",
-    "seed",
-    "backend",
-)
-
-
-def _config_args(config: ClusteredAttentionConfig) -> tuple:
-    # min_length is an int or "auto": passed as a string (an op argument has one type).
-    return tuple(
-        str(getattr(config, name)) if name == "min_length" else getattr(config, name)
-        for name in _CONFIG_FIELDS
-    )
-
 
 @torch.library.custom_op("bert_cluster::clustered_attention", mutates_args=())
 def _clustered_attention_op(
@@ -438,16 +419,7 @@ def _clustered_attention_op(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor,
-    clusters: int,
-    topk: int,
-    bits: int,
-    iterations: int,
-    mode: str,
-    min_length: str,
-    cluster_growth: float,
-    topk_growth: float,
-    seed: int,
-    backend: str,
+    config: int,
     scaling: float,
     layer: int,
     dropout: float,
@@ -455,16 +427,14 @@ def _clustered_attention_op(
 ) -> torch.Tensor:
     """``clustered_attention`` as one opaque op, which is what torch.compile sees.
 
-    Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
-    Its backward (registered below) is another opaque op, so a compiled training step works too.
+    ``config``: the settings' number (``config.number_of``: an op takes numbers, not objects), which gives
+    a config object back as it is (no dict, nothing built anew). Defined at import (a Python op: no library
+    is loaded) because dynamo cannot trace its definition. Its backward (registered below) is another
+    opaque op, so a compiled training step works too.
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
-    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
-    if settings["min_length"] != AUTO:
-        settings["min_length"] = int(settings["min_length"])
-    config = ClusteredAttentionConfig(**settings)
+    settings = config_of(config)
     return _transformers_layout(
-        _route(query, key, value, valid, config, scaling, layer, dropout, dropout_seed)
+        _route(query, key, value, valid, settings, scaling, layer, dropout, dropout_seed)
     )
 
 
@@ -492,16 +462,7 @@ def _clustered_attention_backward_op(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor,
-    clusters: int,
-    topk: int,
-    bits: int,
-    iterations: int,
-    mode: str,
-    min_length: str,
-    cluster_growth: float,
-    topk_growth: float,
-    seed: int,
-    backend: str,
+    config: int,
     scaling: float,
     layer: int,
     dropout: float,
@@ -513,17 +474,13 @@ def _clustered_attention_backward_op(
     training step recomputes the attention in its backward, as gradient checkpointing would (with the
     forward's dropout masks: they come from ``dropout_seed``).
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
-    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
-    if settings["min_length"] != AUTO:
-        settings["min_length"] = int(settings["min_length"])
-    config = ClusteredAttentionConfig(**settings)
     from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
 
+    settings = config_of(config)
     # The recomputed forward's steps record autograd, whose registered backwards then give the gradient.
     with ops.autograd_inside_an_op():
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-        out = _route(*leaves, valid, config, scaling, layer, dropout, dropout_seed)
+        out = _route(*leaves, valid, settings, scaling, layer, dropout, dropout_seed)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True))
 
@@ -551,7 +508,7 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 
 
 def _clustered(
-    backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
+    backend: Backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
 ) -> torch.Tensor:
     """The paper's steps on rows that are all longer than ``clusters``: float32 output.
 
@@ -622,10 +579,15 @@ class StepSettings(NamedTuple):
 
     @property
     def computes(self) -> Any:
-        """What the mode computes (``steps.MODES``: a ``steps.Mode``)."""
-        from bert_cluster import steps  # lazy: `import bert_cluster` stays as lean as it is
+        """What the mode computes (a ``steps.Mode``)."""
+        return _computes(self.mode)
 
-        return steps.MODES[self.mode]
+
+def _computes(mode: str) -> Any:
+    """What ``mode`` computes: its row of ``steps.MODES``."""
+    from bert_cluster import steps  # lazy: `import bert_cluster` stays as lean as it is
+
+    return steps.MODES[mode]
 
 
 def step_arguments(
@@ -642,10 +604,8 @@ def step_arguments(
     (``config.row_settings``).
     """
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
-    settings = StepSettings(clusters, topk, config.iterations, config.mode, 0, scaling)
-    if settings.computes.lloyd:
-        settings = settings._replace(lloyd_rounds=plus_lloyd_rounds(clusters))
-    return planes, offsets, *settings
+    rounds = plus_lloyd_rounds(clusters) if _computes(config.mode).lloyd else 0
+    return planes, offsets, *StepSettings(clusters, topk, config.iterations, config.mode, rounds, scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,7 +626,7 @@ class Partition:
 
 
 def partition(
-    backend: Any,
+    backend: Backend,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -694,14 +654,14 @@ def partition(
     return Partition(assignments, centroids, counts, *attended)
 
 
-def _composed(backend, queries, keys, values, valid, planes, offsets, *settings) -> torch.Tensor:
+def _composed(backend: Backend, queries, keys, values, valid, planes, offsets, *settings) -> torch.Tensor:
     """The steps one by one on ``backend``, as the ``clustered_heads`` op runs them fused."""
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
     return refined(backend, queries, keys, values, valid, p, StepSettings(*settings))
 
 
 def refined(
-    backend: Any,
+    backend: Backend,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -730,12 +690,14 @@ def refined(
     )  # fmt: skip
 
 
-def _widened_for_dropout(backend, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _widened_for_dropout(backend: Backend, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The CPU kernels' dropout reads float32 contiguous rows: widened once per call, not once per step."""
     return tensors if backend.name != "cpu" else tuple(t.float().contiguous() for t in tensors)
 
 
-def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout) -> torch.Tensor:
+def dropped(
+    backend: Backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout
+) -> torch.Tensor:
     """The steps with attention dropout (training), every step on ``backend``.
 
     The clusters and their top-k keys are chosen as without dropout. The centroids' attention over the
