@@ -93,7 +93,7 @@ def _int_or_word(text: str) -> int | str:
 
 
 # Every option that two commands share is declared here, once: one name, one type and one help text
-# that reads right for each command using it (tests/test_cli_options.py walks the app to keep it so).
+# that reads right for each command using it (tests/test_cli_declared_once.py walks the app to keep it so).
 # A command that needs another default gives it as its parameter's default (``batch_size: BatchSizeOpt
 # = 16``); what a command writes into OUT is in its own description.
 
