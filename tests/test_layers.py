@@ -1,10 +1,10 @@
 """The package's layers, read from its imports (top-level and inside functions) with ``ast``.
 
 docs/development.md draws the same picture. A module may import its own layer and the layers below it;
-a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``) imports no other feature, save
-that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task definitions and
-data loading (``SHARED``); no module imports a private name (``_x``) of another unit; only the shell
-imports the package's facade (``bert_cluster``).
+a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``, ``serve``) imports no other
+feature, save that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task
+definitions and data loading (``SHARED``); no module imports a private name (``_x``) of another unit;
+only the shell imports the package's facade (``bert_cluster``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_build",
     ),
     "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
-    "features": ("evaluation", "embedding", "inspection", "finetuning"),
+    "features": ("evaluation", "embedding", "inspection", "finetuning", "serve"),
     "shell": ("render", "cli", "__main__"),
 }
 #: Another feature's modules a feature may import (public names only): finetuning, the tasks and rows.
