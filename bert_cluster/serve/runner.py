@@ -2,15 +2,17 @@
 
 ``open_sentence_encoder`` loads, truncates and converts the model exactly as ``bert_cluster.embed`` does,
 and every batch goes through ``encode_batch`` (one ``SentenceTransformer.encode`` pass), so a served
-embedding is the offline one. Token counts come from a copy of the tokenizer on a thread of their own:
-a fast tokenizer changes its truncation settings on each call, which two threads must not do to one
-instance at once (the model's thread tokenises too).
+embedding is the offline one. Each thread that counts tokens does so with its own copy of the tokenizer
+(the event loop for short requests, a counting thread for long ones, the model's thread in the warm-up):
+a fast tokenizer changes its truncation settings on a call, which two threads must not do to one
+instance at once (the model's own tokenizer is ``encode``'s).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +43,8 @@ class ModelRunner:
         model = self.encoder.model
         self.dimension: int = model.get_embedding_dimension()
         self.lowercase = bool(getattr(model[0], "do_lower_case", False))
-        self._counter = copy.deepcopy(model.tokenizer)
+        self._tokenizer = copy.deepcopy(model.tokenizer)  # only ever copied: one per counting thread
+        self._local = threading.local()
         self._counting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bert-cluster-tokens")
         self.warmup: dict[str, Any] | None = None
 
@@ -51,8 +54,11 @@ class ModelRunner:
         return bool(self.encoder.modules["normalize"])
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Each text's tokens with the special ones, before truncation."""
-        return count_tokens(self._counter, texts, self.lowercase)
+        """Each text's tokens with the special ones, before truncation (with this thread's tokenizer)."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+        return count_tokens(tokenizer, texts, self.lowercase)
 
     @property
     def counting(self) -> concurrent.futures.Executor:
