@@ -1622,6 +1622,115 @@ SPEED_FILES = {
     ),
 }
 
+# ---------------------------------------------------------------------------------------------------------
+# benchmarks/serve.py (bert-cluster serve under load, against Infinity)
+
+SERVE_WORKLOADS = {
+    "short": "short queries, 10-60 tokens",
+    "long-2048": "documents, 2,048 tokens",
+    "long-8192": "documents, 8,192 tokens",
+    "mix": "mix: 90% short, 10% of 8,192 tokens (short requests' p99)",
+}
+SERVE_ARMS = ("clustered", "exact", "infinity")
+
+
+def serve_table(results: list[dict]) -> list[str]:
+    """Requests/s and p99 per workload, concurrency and server; issue 68's targets, met or missed."""
+    report = results[0]
+    cells = {(c["workload"], c["concurrency"], c["arm"]): c for c in report["cells"]}
+
+    def p99(cell: dict, workload: str) -> float | None:
+        latency = (cell.get("latency_ms_by_kind") or {}).get("short") if workload == "mix" else None
+        return (latency or cell.get("latency_ms") or {}).get("p99")
+
+    rows = []
+    for workload, label in SERVE_WORKLOADS.items():
+        levels = sorted({level for (name, level, _) in cells if name == workload})
+        if not levels:
+            continue
+        found = [[cells.get((workload, level, arm), {}) for level in levels] for arm in SERVE_ARMS]
+        rates = [
+            joined([f"{c['requests_per_s']:.3g}" if c.get("requests_per_s") else "–" for c in arm])
+            for arm in found
+        ]
+        ratios = joined(
+            [
+                times(c["requests_per_s"] / i["requests_per_s"])
+                if c.get("requests_per_s") and i.get("requests_per_s")
+                else "–"
+                for c, i in zip(found[0], found[2], strict=True)
+            ]
+        )
+        latencies = [
+            joined([ms(p99(c, workload)) if p99(c, workload) else "–" for c in arm]) for arm in found
+        ]
+        rows.append([label, joined([str(level) for level in levels]), *rates, ratios, *latencies])
+    header = [
+        "workload",
+        "concurrency",
+        "req/s clustered",
+        "req/s exact",
+        "req/s Infinity",
+        "clustered × Infinity",
+        "p99 ms clustered",
+        "p99 ms exact",
+        "p99 ms Infinity",
+    ]
+    loads = report["load_average_before"], report["load_average_after"]
+    caption = (
+        f"The MiniLM-16k proxy, {report['threads']} torch thread(s) per server, one input per request, "
+        f"{report['rounds']} round(s) per cell (arms in turn, then reversed); {report['machine']['cpu']}, "
+        f"{report['machine']['cores']} cores, shared: load average (1 min) {loads[0][0]:.1f} before, "
+        f"{loads[1][0]:.1f} after, the run at nice {report['machine']['nice']}; bert-cluster "
+        f"{report['versions']['bert-cluster']}, Infinity {report['versions']['infinity-emb']}; run of "
+        f"{report['date'][:10]}. " + serve_verdicts(report["targets"])
+    )
+    return table(header, "ll" + "r" * (len(header) - 2), rows) + ["", caption]
+
+
+def serve_verdicts(targets: dict) -> str:
+    """Issue 68's targets as measured, for every arm (the control's included)."""
+
+    def mark(met: bool | None) -> str:
+        return {True: "met", False: "missed", None: "not measured"}[met]
+
+    def ratios(target: dict, arm: str) -> str:
+        found = target["arms"][arm]
+        values = ", ".join(f"{r:.3g}× at {c}" for c, r in found["ratios"].items())
+        return f"{arm} {mark(found['met'])} ({values})"
+
+    long, short = targets["long_8192_vs_infinity"], targets["short_vs_infinity"]
+    parts = [
+        f"Targets: 8,192-token documents ≥ {long['target']:g}× Infinity's requests/s: "
+        + "; ".join(ratios(long, arm) for arm in ("clustered", "exact")),
+        f"short queries ≥ {short['target']:g}×: "
+        + "; ".join(ratios(short, arm) for arm in ("clustered", "exact")),
+    ]
+    mixed = []
+    for arm, found in targets["mix_short_p99"].items():
+        levels = ", ".join(
+            f"{ms(entry['short_p99_ms'])} {'≤' if entry['met'] else '>'} {ms(entry['bound_ms'])} ms "
+            f"at {level}"
+            if entry.get("met") is not None
+            else f"{entry.get('note', 'not measured')} at {level}"
+            for level, entry in found["levels"].items()
+        )
+        mixed.append(f"{arm} {mark(found['met'])} ({levels})")
+    parts.append(
+        "in the mix, short p99 ≤ one long batch (the arm's p50 for one 8,192-token document) "
+        "+ 2 × short-only p99: " + "; ".join(mixed)
+    )
+    errors = targets["no_errors"]
+    parts.append(
+        "no error but deliberate 429s: "
+        + "; ".join(
+            f"{arm} {mark(e['met'])} ({e['errors']} errors, {e['deliberate_429']} 429s)"
+            for arm, e in errors.items()
+        )
+    )
+    return "; ".join(parts) + "."
+
+
 MEASURED: tuple[Table, ...] = (
     Table(
         "speed-zen5",
@@ -2247,6 +2356,14 @@ MEASURED: tuple[Table, ...] = (
         "python scripts/bench_boundary.py --threads 1|2 --rounds 30 (before: the code at cad4b64 with its "
         "libraries; after: the no-copy layout), pairs run one after the other",
         boundary_table,
+    ),
+    Table(
+        "serve-zen4",
+        ("serve/serve_zen4.json",),
+        (README, "docs/serve.md"),
+        "nice -n -5 python -m benchmarks.serve --model OUT/minilm-l6-16k --threads 1 --logs DIR "
+        "--output FILE",
+        serve_table,
     ),
 )
 

@@ -1,0 +1,1 @@
+"""Benchmarks run as modules (``python -m benchmarks.NAME``), importing bert_cluster's public names only."""
