@@ -35,8 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gzip
-import importlib.resources
+import functools
 import json
 import os
 import random
@@ -51,7 +50,19 @@ from typing import Any
 
 import httpx
 
-import bert_cluster
+from benchmarks.harness import (
+    environment,
+    joined,
+    load_average,
+    module_command,
+    module_env,
+    ms,
+    package_versions,
+    squad_dev,
+    table_lines,
+    time_rounds,
+    times,
+)
 
 ARMS = ("clustered", "exact", "infinity")
 #: Workload -> concurrency levels, and per arm and cell the most requests and seconds (all rounds).
@@ -99,8 +110,7 @@ class Texts:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        source = importlib.resources.files("bert_cluster") / "data" / "squad_v1_dev_retrieval.json.gz"
-        data = json.loads(gzip.decompress(source.read_bytes()))
+        data = squad_dev()
         self.paragraphs = {paragraph["id"]: paragraph["context"] for paragraph in data["paragraphs"]}
         self.order = list(self.paragraphs)
         self.questions = data["questions"]
@@ -204,7 +214,7 @@ class Arm:
 def make_arms(model: str, threads: int, infinity: str) -> list[Arm]:
     """The three servers' commands, each on a free port, with the same threads."""
     threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    ours = [sys.executable, "-m", "bert_cluster", "serve", model, "--threads", str(threads), *SERVE_ARGS]
+    ours = [*module_command("bert_cluster"), "serve", model, "--threads", str(threads), *SERVE_ARGS]
     quiet = ["--log-level", "warning"]
     arms = [
         Arm("clustered", [*ours, *quiet], threads_env, free_port()),
@@ -355,28 +365,35 @@ def summarise(rounds: list[tuple[list[Sample], float]]) -> dict[str, Any]:
     }
 
 
+def measure_cell(
+    order: list[Arm], inputs: list[Text], concurrency: int, seconds: float, rounds: int, report: Callable
+) -> dict[str, list[tuple[list[Sample], float]]]:
+    """Each arm's rounds of one cell, in the harness's alternating order: ``order``, then reversed."""
+    results: dict[str, list[tuple[list[Sample], float]]] = {arm.name: [] for arm in order}
+
+    def one_round(arm: Arm) -> None:
+        index = len(results[arm.name])  # round ``index`` loads its own share of the inputs
+        report(f"{inputs[0].kind} c={concurrency} round {index + 1}/{rounds}: {arm.name}")
+        results[arm.name].append(asyncio.run(load(arm, inputs[index::rounds], concurrency, seconds / rounds)))
+
+    time_rounds({arm.name: functools.partial(one_round, arm) for arm in order}, rounds, "alternating")
+    return results
+
+
 def run_plan(
     arms: list[Arm], texts: Texts, plan: dict, rounds: int, report: Callable[[str], None]
 ) -> list[dict]:
     """Every cell of ``plan``, the arms interleaved (see the module docstring); the cells' figures."""
     cells = []
     for number, (workload, levels) in enumerate(plan.items()):
-        warmed: set[str] = set()
-        for concurrency, (requests, seconds) in levels.items():
+        for position, (concurrency, (requests, seconds)) in enumerate(levels.items()):
             inputs = texts.workload(workload, requests)
-            per_round = [inputs[r::rounds] for r in range(rounds)]
-            results: dict[str, list] = {arm.name: [] for arm in arms}
-            for round_index in range(rounds):
-                rotation = (number + concurrency) % len(arms)
-                order = arms[rotation:] + arms[:rotation]
-                for arm in order if round_index % 2 == 0 else order[::-1]:
-                    if arm.name not in warmed:  # one request of the workload first, not counted
-                        asyncio.run(load(arm, texts.workload(workload, 1), 1, REQUEST_TIMEOUT_S))
-                    report(f"{workload} c={concurrency} round {round_index + 1}/{rounds}: {arm.name}")
-                    results[arm.name].append(
-                        asyncio.run(load(arm, per_round[round_index], concurrency, seconds / rounds))
-                    )
-                warmed.update(arm.name for arm in arms)
+            if position == 0:  # one request of the workload per arm first, not counted
+                for arm in arms:
+                    asyncio.run(load(arm, texts.workload(workload, 1), 1, REQUEST_TIMEOUT_S))
+            rotation = (number + concurrency) % len(arms)
+            order = arms[rotation:] + arms[:rotation]
+            results = measure_cell(order, inputs, concurrency, seconds, rounds, report)
             for arm in arms:
                 cell = {"workload": workload, "concurrency": concurrency, "arm": arm.name}
                 cell.update(summarise(results[arm.name]))
@@ -463,27 +480,31 @@ def targets(cells: list[dict]) -> dict:
 # Run
 
 
-def cpu_name() -> str:
-    """The CPU's model name, and its widest vector instructions."""
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-        isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-        return f"{name or 'unknown'} ({isa})"
-    return "unknown"
+#: Infinity's packages whose versions its environment records.
+INFINITY_PACKAGES = ("infinity-emb", "torch", "sentence-transformers", "transformers")
 
 
-def infinity_version(executable: str) -> str | None:
-    """infinity-emb's version in the environment of ``executable``."""
-    python = Path(executable).with_name("python")
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
+def infinity_versions(executable: str) -> dict[str, str]:
+    """The harness's ``package_versions`` run in Infinity's environment (the python beside ``executable``)."""
+    python = str(Path(executable).with_name("python"))
+    code = (
+        "import json, sys; from benchmarks import harness; "
+        "print(json.dumps(harness.package_versions(sys.argv[1:])))"
+    )
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
         found = subprocess.run(
-            [str(python), "-c", "import importlib.metadata as m; print(m.version('infinity-emb'))"],
-            capture_output=True, text=True, timeout=120,
+            [python, "-c", code, *INFINITY_PACKAGES],
+            capture_output=True, text=True, timeout=120, env=module_env(), check=True,
         )  # fmt: skip
-        return found.stdout.strip() or None
-    return None
+        return json.loads(found.stdout)
+    return {}
+
+
+def machine(threads: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the harness's environment, the facts the table reads from it: CPU with its ISA, cores, niceness)."""
+    found = environment(threads)
+    cpu = f"{found['processor']} (kernels {found['kernels_cpu_isa']}, torch {found['torch_cpu_capability']})"
+    return found, {"cpu": cpu, "cores": found["cpu_count"], "nice": os.nice(0)}
 
 
 @contextlib.contextmanager
@@ -525,21 +546,24 @@ def main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    load_before = os.getloadavg()
+    load_before = load_average()
     began = time.time()
+    found, facts = machine(args.threads)
     texts = Texts(model)
     arms = make_arms(model, args.threads, args.infinity)
     with running(arms, logs, report):
         cells = run_plan(arms, texts, plan, rounds, report)
-    load_after = os.getloadavg()
+    load_after = load_average()
+    infinity = infinity_versions(args.infinity)
     result = {
         "benchmark": "serve",
         "command": "python -m benchmarks.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(began)),
+        "date": found["date"],
         "seconds": round(time.time() - began, 1),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "nice": os.nice(0)},
-        "load_average_before": list(load_before),
-        "load_average_after": list(load_after),
+        "machine": facts,
+        "environment": found,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
         "model": model,
         "threads": args.threads,
         "rounds": rounds,
@@ -549,10 +573,11 @@ def main(argv: list[str] | None = None) -> int:
             for w, levels in plan.items()
         },
         "versions": {
-            "bert-cluster": bert_cluster.__version__,
-            "torch": bert_cluster.info()["torch"],
-            "infinity-emb": infinity_version(args.infinity),
-            "httpx": httpx.__version__,
+            "bert-cluster": found["bert_cluster"],
+            "torch": found["torch"],
+            "infinity-emb": infinity.get("infinity-emb"),
+            "httpx": package_versions(["httpx"]).get("httpx"),
+            "infinity": infinity,
         },
         "arms": {
             arm.name: {"command": arm.command, "environment": arm.environment, **arm.facts} for arm in arms
@@ -564,6 +589,113 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     report(f"wrote {args.output}")
     return 0
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+WORKLOADS = {
+    "short": "short queries, 10-60 tokens",
+    "long-2048": "documents, 2,048 tokens",
+    "long-8192": "documents, 8,192 tokens",
+    "mix": "mix: 90% short, 10% of 8,192 tokens (short requests' p99)",
+}
+
+
+def table(data: list[dict]) -> list[str]:
+    """Requests/s and p99 per workload, concurrency and server; issue 68's targets, met or missed."""
+    report = data[0]
+    cells = {(c["workload"], c["concurrency"], c["arm"]): c for c in report["cells"]}
+
+    def p99(cell: dict, workload: str) -> float | None:
+        latency = (cell.get("latency_ms_by_kind") or {}).get("short") if workload == "mix" else None
+        return (latency or cell.get("latency_ms") or {}).get("p99")
+
+    rows = []
+    for workload, label in WORKLOADS.items():
+        levels = sorted({level for (name, level, _) in cells if name == workload})
+        if not levels:
+            continue
+        found = [[cells.get((workload, level, arm), {}) for level in levels] for arm in ARMS]
+        rates = [
+            joined([f"{c['requests_per_s']:.3g}" if c.get("requests_per_s") else "–" for c in arm])
+            for arm in found
+        ]
+        ratios = joined(
+            [
+                times(c["requests_per_s"] / i["requests_per_s"])
+                if c.get("requests_per_s") and i.get("requests_per_s")
+                else "–"
+                for c, i in zip(found[0], found[2], strict=True)
+            ]
+        )
+        latencies = [
+            joined([ms(p99(c, workload)) if p99(c, workload) else "–" for c in arm]) for arm in found
+        ]
+        rows.append([label, joined([str(level) for level in levels]), *rates, ratios, *latencies])
+    header = [
+        "workload",
+        "concurrency",
+        "req/s clustered",
+        "req/s exact",
+        "req/s Infinity",
+        "clustered × Infinity",
+        "p99 ms clustered",
+        "p99 ms exact",
+        "p99 ms Infinity",
+    ]
+    loads = report["load_average_before"], report["load_average_after"]
+    caption = (
+        f"The MiniLM-16k proxy, {report['threads']} torch thread(s) per server, one input per request, "
+        f"{report['rounds']} round(s) per cell (arms in turn, then reversed); {report['machine']['cpu']}, "
+        f"{report['machine']['cores']} cores, shared: load average (1 min) {loads[0][0]:.1f} before, "
+        f"{loads[1][0]:.1f} after, the run at nice {report['machine']['nice']}; bert-cluster "
+        f"{report['versions']['bert-cluster']}, Infinity {report['versions']['infinity-emb']}; run of "
+        f"{report['date'][:10]}. " + verdicts(report["targets"])
+    )
+    return table_lines(header, "ll" + "r" * (len(header) - 2), rows) + ["", caption]
+
+
+def verdicts(found: dict) -> str:
+    """Issue 68's targets as measured, for every arm (the control's included)."""
+
+    def mark(met: bool | None) -> str:
+        return {True: "met", False: "missed", None: "not measured"}[met]
+
+    def ratios(target: dict, arm: str) -> str:
+        mine = target["arms"][arm]
+        values = ", ".join(f"{r:.3g}× at {c}" for c, r in mine["ratios"].items())
+        return f"{arm} {mark(mine['met'])} ({values})"
+
+    long, short = found["long_8192_vs_infinity"], found["short_vs_infinity"]
+    parts = [
+        f"Targets: 8,192-token documents ≥ {long['target']:g}× Infinity's requests/s: "
+        + "; ".join(ratios(long, arm) for arm in ("clustered", "exact")),
+        f"short queries ≥ {short['target']:g}×: "
+        + "; ".join(ratios(short, arm) for arm in ("clustered", "exact")),
+    ]
+    mixed = []
+    for arm, levels in found["mix_short_p99"].items():
+        each = ", ".join(
+            f"{ms(entry['short_p99_ms'])} {'≤' if entry['met'] else '>'} {ms(entry['bound_ms'])} ms "
+            f"at {level}"
+            if entry.get("met") is not None
+            else f"{entry.get('note', 'not measured')} at {level}"
+            for level, entry in levels["levels"].items()
+        )
+        mixed.append(f"{arm} {mark(levels['met'])} ({each})")
+    parts.append(
+        "in the mix, short p99 ≤ one long batch (the arm's p50 for one 8,192-token document) "
+        "+ 2 × short-only p99: " + "; ".join(mixed)
+    )
+    errors = found["no_errors"]
+    parts.append(
+        "no error but deliberate 429s: "
+        + "; ".join(
+            f"{arm} {mark(e['met'])} ({e['errors']} errors, {e['deliberate_429']} 429s)"
+            for arm, e in errors.items()
+        )
+    )
+    return "; ".join(parts) + "."
 
 
 if __name__ == "__main__":

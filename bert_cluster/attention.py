@@ -12,6 +12,8 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
+import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from bert_cluster import environment
-from bert_cluster.config import AUTO, ClusteredAttentionConfig
+from bert_cluster.config import AUTO, ClusteredAttentionConfig, check_config
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
 
@@ -57,6 +59,28 @@ def hash_planes(
     cached on each device they are used on.
     """
     return _device_planes(seed, layer, bits, head_dim, torch.device(device))
+
+
+#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
+_replacement: Any = None
+
+
+@contextlib.contextmanager
+def replaced_steps(steps: Any) -> collections.abc.Iterator[None]:
+    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
+
+    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
+    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
+    the attention output; short rows still run exact attention. For the whole process, not one thread;
+    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
+    through it.
+    """
+    global _replacement
+    before, _replacement = _replacement, steps
+    try:
+        yield
+    finally:
+        _replacement = before
 
 
 def _check_inputs(query, key, value, valid, name: str) -> None:
@@ -119,7 +143,7 @@ def clustered_attention(
         On the CPU the result is usually a view of ``(R, N, H, Dv)`` memory, as CPU SDPA's is (the layout
         transformers takes attention's output in): ``.contiguous()`` gives ``(R, H, N, Dv)`` memory.
     """
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "clustered_attention")
     _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
@@ -392,7 +416,7 @@ def windowed_attention(
     from bert_cluster import dispatch
 
     dropout = _check_dropout(dropout)
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "windowed_attention")
     _check_inputs(query, key, value, valid, "windowed_attention")
     rows, _, length, head_dim = query.shape
     if valid is None:
@@ -557,6 +581,10 @@ def _clustered(
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
     result as the steps one by one (``composed_heads``). With attention dropout, ``dropped``.
     """
+    if _replacement is not None:
+        if dropout:
+            raise ValueError("steps replaced by attention.replaced_steps run without attention dropout")
+        return _replacement(backend, query, key, value, valid, config, clusters, topk, scaling, layer)
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     if dropout:
         return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)

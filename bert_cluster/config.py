@@ -58,6 +58,25 @@ def check_int(name: str, value: Any, low: int, high: int, also: str = "") -> Non
     raise ValueError(f"{name} must be <= {high}{also}, got {value}")
 
 
+def check_config(config: Any, function: str) -> ClusteredAttentionConfig:
+    """``config`` as a function's settings argument: a ``ClusteredAttentionConfig``, or None (the defaults).
+
+    Raises:
+        TypeError: anything else, naming what was given and how to build a config from a mapping.
+    """
+    if config is None:
+        return ClusteredAttentionConfig()
+    if isinstance(config, ClusteredAttentionConfig):
+        return config
+    hint = ""
+    if isinstance(config, Mapping):
+        hint = ": build one with ClusteredAttentionConfig(**settings) or ClusteredAttentionConfig.from_dict()"
+    raise TypeError(
+        f"{function}: config must be a ClusteredAttentionConfig or None (the defaults), "
+        f"got a {type(config).__name__}{hint}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusteredAttentionConfig:
     """How a model's self-attention is replaced.

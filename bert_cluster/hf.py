@@ -29,7 +29,12 @@ import torch
 from bert_cluster.attention import clustered_attention, windowed_attention
 from bert_cluster.config import ClusteredAttentionConfig, check_setting_names
 
-ATTENTION_NAME = "bert_cluster"  # no "flash" (would import FlashAttention), no "/" (would mean a Hub kernel)
+#: The implementation's name, which a converted checkpoint's config.json saves: transformers refuses it
+#: when bert_cluster was not imported, and its error quotes the name alone, so the name says what to do.
+#: No "flash" (would import FlashAttention), no "/" (would mean a Hub kernel).
+ATTENTION_NAME = "bert_cluster (import bert_cluster before from_pretrained)"
+#: The names earlier versions saved, registered too: their checkpoints load as before.
+EARLIER_NAMES = ("bert_cluster",)
 SETTINGS_KEY = "clustered_attention"
 
 #: model_type values covered by the test suite (tests/families.py imports these lists); any other family
@@ -78,8 +83,9 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, key_padding_mask)
+    for name in (ATTENTION_NAME, *EARLIER_NAMES):
+        AttentionInterface.register(name, attention_forward)
+        AttentionMaskInterface.register(name, key_padding_mask)
     _registered = True
 
 

@@ -350,12 +350,12 @@ def _attend_centroids(scores, values, valid, indices):
         )
     picked = indices >= 0
     top_weights = torch.where(picked, weights.gather(-1, indices.clamp(min=0)), 0.0)
-    gathered = torch.where(picked[..., None], _gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
+    gathered = torch.where(picked[..., None], gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
     return centroid_values, top_weights.sum(-1), topk_values
 
 
-def _gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``tensor[r, h, indices[r, h, ...]]`` for ``(R, H, N, D)`` tensor; -1 gathers row 0 (mask it after)."""
     rows, heads, n, d = tensor.shape
     flat = indices.clamp(min=0).reshape(rows, heads, -1)
@@ -389,20 +389,20 @@ def topk_refine(
     cluster = assignments.clamp(min=0)
     indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
-    top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
+    top_keys = gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
     scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
     query = torch.arange(queries.shape[2], device=queries.device)[:, None]
     weights = attention_dropout(_masked_softmax(scores, slot), dropout, seed, query, indices)
     mass = topk_mass.gather(2, cluster)
-    top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
+    top_values = torch.where(slot[..., None], gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
-    base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
+    base = gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
     return torch.where(member[..., None], base + exact, 0.0)
 
 
 def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
     """Plain clustered attention's output: each query takes its centroid's row; padded queries get zeros."""
-    gathered = _gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
+    gathered = gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
     return torch.where((assignments >= 0)[..., None], gathered, 0)
 
 
@@ -605,7 +605,7 @@ def refine_with_query_mass(
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
     key_rows = torch.where(valid[:, None, :, None], _wide(keys), 0.0)  # padding masked, not multiplied by 0
-    top_keys = torch.where(slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
+    top_keys = torch.where(slots[..., None], gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
@@ -638,7 +638,7 @@ def refine_with_query_mass(
 
     indices = per_query(topk_indices)  # (R, H, N, k)
     q = _wide(queries)
-    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(_wide(keys), indices)) * scaling
+    scores = torch.einsum("rhnd,rhnkd->rhnk", q, gather_rows(_wide(keys), indices)) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     query_logz = scores.logsumexp(-1)
     query_rest = rest_logz(q, per_query(key_mean), per_query(key_var))
@@ -647,7 +647,7 @@ def refine_with_query_mass(
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
     query = torch.arange(queries.shape[2], device=queries.device)[:, None]
     weights = attention_dropout(weights, dropout, seed, query, indices)
-    top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
+    top_values = torch.where((indices >= 0)[..., None], gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
     return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held
