@@ -373,7 +373,6 @@ def topk_refine(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -428,7 +427,6 @@ def banded_attention(
     valid: torch.Tensor,
     window: int,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -568,7 +566,6 @@ def refine_with_query_mass(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -653,62 +650,6 @@ def refine_with_query_mass(
     return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held
 
 
-def topk_refine_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``topk_refine`` with attention dropout as the op's own arguments (the op of training's steps)."""
-    return topk_refine(
-        queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling,
-        dropout=dropout, seed=seed,
-    )  # fmt: skip
-
-
-def refine_with_query_mass_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``refine_with_query_mass`` with attention dropout as the op's own arguments."""
-    return refine_with_query_mass(
-        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
-        topk_values, scaling, dropout=dropout, seed=seed,
-    )  # fmt: skip
-
-
-def banded_attention_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``banded_attention`` with attention dropout as the op's own arguments."""
-    return banded_attention(queries, keys, values, valid, window, scaling, dropout=dropout, seed=seed)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The refinements' backward (issue 38): the gradient of the two functions above given the discrete choices
 # (assignments, top-k indices), by autograd. The oracle of the backward kernels (kernels/cpu/backward.cpp),
@@ -744,15 +685,19 @@ def topk_refine_backward(
     topk_indices: torch.Tensor,
     topk_mass: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``topk_refine``'s input gradients, float32: queries, keys, values, centroid values, mass, top-k values.
 
     The gradient does not depend on the centroid and top-k values (they enter the output as a
-    difference), so the op does not take them: zeros stand in.
+    difference), so the op does not take them: zeros stand in. ``dropout``, ``seed``: the forward's (its
+    masks are drawn again).
     """
     rows, heads, clusters, _ = topk_indices.shape
     blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
     inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
+    inputs += [dropout, seed]
     # float32 (float64 for float64) whatever the inputs' dtype, as the kernel gives them
     return tuple(_wide(g) for g in _gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
 
@@ -770,21 +715,14 @@ def refine_with_query_mass_backward(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``refine_with_query_mass``'s gradients of queries, keys, values, centroids, Vc, mass and Vtop."""
     inputs = [
-        queries,
-        keys,
-        values,
-        valid,
-        assignments,
-        centroids,
-        centroid_values,
-        topk_indices,
-        topk_mass,
-        topk_values,
-        scaling,
-    ]
+        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
+        topk_values, scaling, dropout, seed,
+    ]  # fmt: skip
     return tuple(_gradients(refine_with_query_mass, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out))
 
 
@@ -801,7 +739,7 @@ def centroid_attention_backward(
     valid: torch.Tensor,
     topk_indices: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``centroid_attention``'s gradients of centroids, keys and values given its top-k choice."""
     inputs = [centroids, keys, values, valid, topk_indices, scaling]
     grads = (grad_centroid_values, grad_topk_mass, grad_topk_values)
@@ -862,14 +800,15 @@ def banded_attention_backward(
     valid: torch.Tensor,
     window: int,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``banded_attention``'s gradients of queries, keys and values, float32 (float64 for float64)."""
-    inputs = [queries, keys, values, valid, window, scaling]
+    inputs = [queries, keys, values, valid, window, scaling, dropout, seed]
     return tuple(_wide(g) for g in _gradients(banded_attention, inputs, [0, 1, 2], grad_out))
 
 
-# The dropout ops' backward (kernels/cpu/dropout.cpp is the kernel of each): the masks drawn again from
-# the seed.
+# Attention dropout's own step (kernels/cpu/dropout.cpp): its backward draws the masks again from the seed.
 
 
 def centroid_rest_backward(
@@ -880,70 +819,9 @@ def centroid_rest_backward(
     valid: torch.Tensor,
     topk_indices: torch.Tensor,
     scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``centroid_rest``'s gradients of centroids, keys and values."""
     inputs = [centroids, keys, values, valid, topk_indices, scaling, dropout, seed]
     return tuple(_wide(g) for g in _gradients(centroid_rest, inputs, [0, 1, 2], grad_rest))
-
-
-def topk_refine_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``topk_refine_dropout``'s gradients: queries, keys, values, centroid values, mass, top-k values."""
-    rows, heads, clusters, _ = topk_indices.shape
-    blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
-    inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
-    inputs += [dropout, seed]
-    return tuple(_wide(g) for g in _gradients(topk_refine_dropout, inputs, [0, 1, 2, 4, 6, 7], grad_out))
-
-
-def refine_with_query_mass_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``refine_with_query_mass_dropout``'s gradients of q, k, v, centroids, Vc, mass and Vtop."""
-    inputs = [
-        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
-        topk_values, scaling, dropout, seed,
-    ]  # fmt: skip
-    found = _gradients(refine_with_query_mass_dropout, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out)
-    return tuple(_wide(g) for g in found)
-
-
-def banded_attention_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``banded_attention_dropout``'s gradients of queries, keys and values."""
-    inputs = [queries, keys, values, valid, window, scaling, dropout, seed]
-    return tuple(_wide(g) for g in _gradients(banded_attention_dropout, inputs, [0, 1, 2], grad_out))
