@@ -1,4 +1,4 @@
-"""Fixtures of the server tests: a tiny SentenceTransformer, the app in process, uvicorn in a subprocess."""
+"""Fixtures of the server tests: a tiny SentenceTransformer, the app in process, a uvicorn subprocess."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import helpers
@@ -94,22 +94,3 @@ class Server:
             self.process.kill()
             self.process.wait(10)
             raise AssertionError(f"the server did not stop within {timeout} s") from None
-
-
-@pytest.fixture
-def start_server(tmp_path) -> Iterator:
-    """``start_server(model, *args)``: a ready server; every one started is stopped after the test."""
-    started: list[Server] = []
-
-    def start(model: Path, *args: str, ready: bool = True) -> Server:
-        server = Server(model, list(args), tmp_path / f"server-{len(started)}.log")
-        started.append(server)
-        if ready:
-            server.wait_ready()
-        return server
-
-    yield start
-    for server in started:
-        if server.process.poll() is None:
-            server.process.kill()
-            server.process.wait(10)
