@@ -40,6 +40,11 @@ CONFIGS = "BERT_CLUSTER_CONFIGS"
 #: The ``shared`` folder of checkpoints and data that the tests and benchmarks use.
 SHARED = "BERT_CLUSTER_SHARED"
 
+#: Set by ``bert-cluster serve --workers N`` for its worker processes (not a user setting): the served
+#: settings as JSON, and N.
+SERVE_SETTINGS = "BERT_CLUSTER_SERVE_SETTINGS"
+SERVE_WORKERS = "BERT_CLUSTER_SERVE_WORKERS"
+
 #: Read by ``setup.py`` at build time (it runs before the package exists, so it parses them itself).
 SKIP_KERNELS = "BERT_CLUSTER_SKIP_KERNELS"
 BUILD_CUDA = "BERT_CLUSTER_BUILD_CUDA"
@@ -107,6 +112,16 @@ def cpu_jit_enabled() -> bool:
 def cpu_isa_override() -> str | None:
     """``$BERT_CLUSTER_CPU_ISA``; None when unset."""
     return _text(CPU_ISA)
+
+
+def serve_settings() -> str | None:
+    """``$BERT_CLUSTER_SERVE_SETTINGS``: the settings a ``serve --workers`` process serves (JSON)."""
+    return _text(SERVE_SETTINGS)
+
+
+def serve_workers() -> int:
+    """``$BERT_CLUSTER_SERVE_WORKERS``: how many worker processes ``serve`` started (1 when unset)."""
+    return int(_text(SERVE_WORKERS) or 1)
 
 
 def cache_dir() -> Path:

@@ -20,6 +20,15 @@ os.environ["HF_DATASETS_CACHE"] = os.path.join(_CACHE, "datasets")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_CACHE, "inductor")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
+# datasets makes its log handler when it is imported, on the sys.stderr of that moment (transformers on its
+# first log call). Made here, before a CliRunner swaps sys.stderr for a buffer that it closes afterwards:
+# made inside one, a later log line printed "--- Logging error ---" and a traceback into another command's
+# captured output (tests/test_finetune_inputs.py's fuzz, after tests/test_cli.py).
+import datasets  # noqa: E402, F401
+import transformers.utils.logging  # noqa: E402
+
+transformers.utils.logging.get_verbosity()
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared"))
 

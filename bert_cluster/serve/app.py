@@ -18,7 +18,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -51,7 +50,7 @@ from bert_cluster.serve.settings import ServeSettings
 logger = logging.getLogger("bert_cluster.serve")
 
 #: The environment variable that hands ``--workers`` processes their settings (``from_environment``).
-SETTINGS_ENV = "BERT_CLUSTER_SERVE_SETTINGS"
+SETTINGS_ENV = environment.SERVE_SETTINGS
 #: Inputs whose texts hold fewer characters than this are counted on the event loop (a thread hop
 #: costs more than counting them).
 INLINE_COUNT_CHARS = 4096
@@ -546,7 +545,7 @@ def _info(state: ServerState) -> dict[str, Any]:
         "device": settings.device,
         "dtype": settings.dtype,
         "threads": _threads(),
-        "workers": int(os.environ.get("BERT_CLUSTER_SERVE_WORKERS", "1")),
+        "workers": environment.serve_workers(),
         "limits": {name: getattr(settings, name) for name in limits},
         "api_key": settings.api_key is not None,
         "cors_origins": list(settings.cors_origins),
@@ -564,7 +563,7 @@ def _threads() -> int:
 
 def from_environment() -> FastAPI:
     """The app of the settings in ``$BERT_CLUSTER_SERVE_SETTINGS`` (each ``--workers`` process's)."""
-    text = os.environ.get(SETTINGS_ENV)
+    text = environment.serve_settings()
     if not text:
         raise UserError(f"${SETTINGS_ENV} is not set: start the server with `bert-cluster serve`")
     return create_app(ServeSettings.from_dict(json.loads(text)))

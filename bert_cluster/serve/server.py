@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from bert_cluster import environment
 from bert_cluster.errors import UserError
 from bert_cluster.serve.settings import ServeSettings
 
@@ -93,7 +94,7 @@ def run_server(
         _environment(
             {
                 SETTINGS_ENV: json.dumps(per_worker.to_dict(secrets=True)),
-                "BERT_CLUSTER_SERVE_WORKERS": str(workers),
+                environment.SERVE_WORKERS: str(workers),
                 "PROMETHEUS_MULTIPROC_DIR": metrics_dir,
             }
         ),

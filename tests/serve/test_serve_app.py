@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import CLUSTERED, serving
 from prometheus_client.parser import text_string_to_metric_families
+from serve_support import CLUSTERED, serving
 
 import bert_cluster
 from bert_cluster.config import ClusteredAttentionConfig

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from conftest import Server
+from serve_support import Server
 from test_serve_app import BATCHED_TOLERANCE, metric, offline
 
 pytestmark = pytest.mark.anyio
