@@ -870,7 +870,7 @@ def kernels_build(
 @app.command("ls")
 def list_tasks(as_json: JsonOpt = False) -> None:
     """List the tasks (configs/tasks/**/*.yaml); files that do not load are named on stderr."""
-    from bert_cluster.evaluation.tasks import load_catalog
+    from bert_cluster.tasks.config import load_catalog
 
     with user_errors():
         catalog = load_catalog()
@@ -895,8 +895,8 @@ def validate(
 ) -> None:
     """Check task YAML files: each must load into a TaskConfig its kind accepts (fields, options, metrics)."""
     from bert_cluster.errors import UserError
-    from bert_cluster.evaluation.kinds import get_kind
-    from bert_cluster.evaluation.tasks import load_catalog, load_task_file
+    from bert_cluster.tasks.config import load_catalog, load_task_file
+    from bert_cluster.tasks.kinds import get_kind
 
     problems: list[str] = []
     with user_errors():

@@ -90,7 +90,7 @@ def squad_articles() -> list[str]:
     import gzip
 
     from bert_cluster.datafiles import PACKAGE_DATA
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+    from bert_cluster.tasks.kinds.long_retrieval import articles_from_paragraphs
 
     with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
         document = json.load(handle)
@@ -105,7 +105,7 @@ def build_model(name: str, cache: str | None, folder: str | None = None):
     if name == "minilm-l6-16k":
         if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
             from bert_cluster.checkpoints import default_model_path
-            from bert_cluster.evaluation.proxy import long_position_proxy
+            from bert_cluster.tasks.proxy import long_position_proxy
 
             folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
         model = transformers.AutoModel.from_pretrained(folder, attn_implementation="sdpa")

@@ -26,7 +26,7 @@ import torch
 
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.evaluation.runner import TaskSession
-from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.tasks.config import get_tasks
 
 
 def parse_run(text: str) -> tuple[str, int, int]:

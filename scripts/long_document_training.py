@@ -2,7 +2,7 @@
 text encoder trained with clustered attention end better than one trained with exact attention?
 
 Contrastive fine-tuning of the MiniLM-16k proxy (all-MiniLM-L6-v2 with its 512 positions copied to 16,384,
-``bert_cluster.evaluation.proxy``; the same weights as ``../shared/models/build.py OUT minilm-l6-16k``) on
+``bert_cluster.tasks.proxy``; the same weights as ``../shared/models/build.py OUT minilm-l6-16k``) on
 SQuAD v1.1 dev as long-document retrieval: the questions of articles 1-24 against their article, cut at
 ``--length`` tokens (4,096). A step embeds ``--batch-size`` articles (no article twice) and
 ``--questions-per-article`` (16) questions of each: one article embedding, the costly part of a step,
@@ -55,7 +55,7 @@ def load_articles():
     import gzip
 
     from bert_cluster.datafiles import PACKAGE_DATA
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+    from bert_cluster.tasks.kinds.long_retrieval import articles_from_paragraphs
 
     with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
         document = json.load(handle)
@@ -163,7 +163,7 @@ def build_model(folder: str | None, cache: str | None, attention_dropout: float)
 
     if folder is None:
         from bert_cluster.checkpoints import default_model_path
-        from bert_cluster.evaluation.proxy import long_position_proxy
+        from bert_cluster.tasks.proxy import long_position_proxy
 
         folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
     config = {"attention_probs_dropout_prob": attention_dropout}

@@ -418,8 +418,8 @@ def test_a_null_text_in_a_parquet_train_file_is_named_not_trained_as_none(setup,
 def test_every_row_is_checked_before_training_naming_where_it_is(task, row, message):
     """No train file format read today carries a lone surrogate (pyarrow replaces one), but a row given
     otherwise could: the tokenizer then failed with a TypeError naming no row."""
-    from bert_cluster.evaluation.tasks import get_tasks
     from bert_cluster.finetuning import features
+    from bert_cluster.tasks.config import get_tasks
 
     (config,) = get_tasks(task)
     good = {"sentence1": "a", "sentence2": "b", "label": 0}

@@ -38,10 +38,10 @@ from bert_cluster.checkpoints import (
 )
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.tasks import TaskConfig, get_tasks, label_mapping
 from bert_cluster.finetuning import features, report, safety
 from bert_cluster.parallel import check_device
+from bert_cluster.tasks.config import TaskConfig, get_tasks, label_mapping
+from bert_cluster.tasks.data import load_rows
 
 __all__ = ["FinetuneInterrupted", "FinetuneResult", "finetune"]
 
@@ -184,7 +184,7 @@ def _train_task(name: str) -> TaskConfig:
 
 
 def _all_tasks() -> list[TaskConfig]:
-    from bert_cluster.evaluation.tasks import load_tasks
+    from bert_cluster.tasks.config import load_tasks
 
     return list(load_tasks().values())
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation.tasks import LocalFile, TaskConfig, label_index
+from bert_cluster.tasks.config import LocalFile, TaskConfig, label_index
 
 #: Where a row (its index among the rows read, and the row) came from, for a message: file and line.
 Locator = Callable[[int, dict[str, Any]], str]
@@ -27,7 +27,7 @@ def locator(task: TaskConfig, data_dir: Any, source: str, count: int) -> Locator
 
     A line of a TSV/CSV file, a question id of a SQuAD file, else a row number (from 1).
     """
-    from bert_cluster.evaluation.data import data_dirs, find_local
+    from bert_cluster.tasks.data import data_dirs, find_local
 
     found = find_local(task, data_dirs(data_dir), split="train")
     if found is None or str(found[0].resolve()) != source:  # the hub

@@ -180,20 +180,31 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def read_mapping(path: Path, what: str, empty: bool = False) -> dict[str, Any]:
+    """A YAML file holding one mapping: a task file, or the default run beside them (``empty``: may be empty).
+
+    Raises:
+        UserError: the file is unreadable, not YAML, or not a mapping (``what`` names it in the message).
+    """
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
+    if raw is None and empty:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{path}: {what} must be a mapping, got {type(raw).__name__}")
+    return dict(raw)
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read ``path`` and resolve its ``include:`` chain."""
     path = path.resolve()
     if path in seen:
         raise UserError(f"{path}: include cycle through {[str(p) for p in seen]}")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise UserError(f"cannot read task file {path}: {error.strerror or error}") from None
-    except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
-    if not isinstance(raw, Mapping):
-        raise UserError(f"{path}: a task file must be a mapping, got {type(raw).__name__}")
-    raw = dict(raw)
+    raw = read_mapping(path, "a task file")
     include = raw.pop("include", None)
     if include is None:
         return raw

@@ -9,7 +9,7 @@ encoded like the other embedding kinds' texts (``SentenceTransformer.encode``: t
 pooling and normalisation, mean pooling for a plain transformers folder), in the runner's timed batches.
 
 With ``options.long_position_proxy: N`` the task scores an *untrained* proxy of the model whose position
-table is copied to N rows (``bert_cluster.evaluation.proxy``); every report says so.
+table is copied to N rows (``bert_cluster.tasks.proxy``); every report says so.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 from bert_cluster.checkpoints import resolve_model
 from bert_cluster.datafiles import PARAGRAPH_SEPARATOR, join_paragraphs
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
     LoadedModel,
     Progress,
@@ -32,7 +32,7 @@ from bert_cluster.evaluation.kinds import (
     positive_option,
     register_kind,
 )
-from bert_cluster.evaluation.kinds.embedding import (
+from bert_cluster.tasks.kinds.embedding import (
     RETRIEVAL_METRIC,
     RetrievalSet,
     _EmbeddingKind,
@@ -118,7 +118,7 @@ def articles_from_paragraphs(
 def articles_from_rows(rows: Iterable[Mapping[str, Any]], question: str, context: str) -> Articles:
     """Articles from flat SQuAD rows (``title``, the question and context fields; ``passage_id`` if any).
 
-    Every reader of ``bert_cluster.evaluation.data`` gives such rows: the official SQuAD JSON, the packaged
+    Every reader of ``bert_cluster.tasks.data`` gives such rows: the official SQuAD JSON, the packaged
     retrieval file (whose rows carry ``passage_id`` = ``<title>/<n>``) and the hub's ``rajpurkar/squad``.
     Without a ``passage_id``, a title's paragraphs are numbered in order of first appearance.
     """
@@ -220,7 +220,7 @@ class LongRetrievalKind(_EmbeddingKind):
         With ``options.long_position_proxy: N`` the model is an untrained proxy of ``model`` (a local
         checkpoint folder or ``package:NAME``) with its positions copied to N, built once into the cache.
         """
-        from bert_cluster.evaluation.proxy import long_position_proxy
+        from bert_cluster.tasks.proxy import long_position_proxy
 
         positions = task_options(task)["long_position_proxy"]
         notes = {}

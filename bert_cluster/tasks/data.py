@@ -21,7 +21,7 @@ from typing import Any
 from bert_cluster import environment
 from bert_cluster.datafiles import PACKAGE_DATA, load_dataset
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.tasks import DataSpec, LocalFile, TaskConfig, get_tasks
+from bert_cluster.tasks.config import DataSpec, LocalFile, TaskConfig, get_tasks
 
 #: The splits a task may have: ``dev`` (its ``data:``, what evaluation scores) and ``train`` (its
 #: ``train:``, what ``finetune`` trains on).

@@ -83,7 +83,7 @@ class ScoreSettings:
 
 
 class TaskKind(Protocol):
-    """What a kind provides. ``task`` is a ``bert_cluster.evaluation.tasks.TaskConfig``."""
+    """What a kind provides. ``task`` is a ``bert_cluster.tasks.config.TaskConfig``."""
 
     name: str
 
@@ -168,4 +168,4 @@ def first_n(items: list[Any], limit: int | None) -> list[Any]:
 
 
 # The built-in kinds register themselves on import.
-from bert_cluster.evaluation.kinds import classification, embedding, long_retrieval, squad  # noqa: E402, F401
+from bert_cluster.tasks.kinds import classification, embedding, long_retrieval, squad  # noqa: E402, F401

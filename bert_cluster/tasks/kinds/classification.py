@@ -16,8 +16,9 @@ import torch
 
 from bert_cluster.checkpoints import load_with_head, max_positions, pad_batch
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.config import TaskConfig, label_index, label_mapping
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
     LoadedModel,
     Progress,
@@ -27,8 +28,7 @@ from bert_cluster.evaluation.kinds import (
     first_n,
     register_kind,
 )
-from bert_cluster.evaluation.metrics import GLUE_METRICS, glue_metric
-from bert_cluster.evaluation.tasks import TaskConfig, label_index, label_mapping
+from bert_cluster.tasks.metrics import GLUE_METRICS, glue_metric
 
 
 class ClassificationKind:

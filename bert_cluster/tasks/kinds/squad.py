@@ -22,8 +22,9 @@ import torch
 
 from bert_cluster.checkpoints import load_with_head, max_positions, pad_batch
 from bert_cluster.errors import UserError, positive_int
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.config import TaskConfig
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
     LoadedModel,
     Progress,
@@ -33,8 +34,7 @@ from bert_cluster.evaluation.kinds import (
     first_n,
     register_kind,
 )
-from bert_cluster.evaluation.metrics import SQUAD_METRICS, squad_scores
-from bert_cluster.evaluation.tasks import TaskConfig
+from bert_cluster.tasks.metrics import SQUAD_METRICS, squad_scores
 
 _OPTION_DEFAULTS = {"postprocessor": "squad_v1", "doc_stride": 128, "n_best": 20, "max_answer_length": 30}
 
