@@ -689,7 +689,7 @@ def finetune(
         typer.Option(
             "--lora",
             help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
-            "extra of bert-cluster, or pip install peft); the default.",
+            "extra of bert-cluster, or pip install peft); the default where the task trains a head.",
         ),
     ] = False,
     full: Annotated[bool, typer.Option("--full", help="Train every weight instead of LoRA.")] = False,
@@ -741,6 +741,39 @@ def finetune(
     distill_temperature: Annotated[
         float, typer.Option("--distill-temperature", help="Softmax temperature of that distance.")
     ] = 1.0,
+    attention_dropout: Annotated[
+        float | None,
+        typer.Option(
+            "--attention-dropout", help="The model's attention dropout while training (default its config's)."
+        ),
+    ] = None,
+    max_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--max-seconds", help="Train for this many seconds of training time (scoring excluded)."
+        ),
+    ] = None,
+    eval_at: Annotated[
+        str | None,
+        typer.Option(
+            "--eval-at",
+            help="Seconds of training time at which the task's held-out split is scored, e.g. 0,300,600.",
+        ),
+    ] = None,
+    eval_limit: Annotated[
+        int | None, typer.Option("--eval-limit", help="Score N held-out examples at each mark.")
+    ] = None,
+    eval_exact: Annotated[
+        bool, typer.Option("--eval-exact", help="At each mark, also score with exact attention.")
+    ] = False,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Steps of learning-rate warm-up.")] = 0,
+    schedule: Annotated[
+        str | None,
+        typer.Option(
+            "--schedule",
+            help="Learning rate after the warm-up: linear (to 0) or constant (default with --max-seconds).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
@@ -778,7 +811,7 @@ def finetune(
                 output,
                 attention=config,
                 exact=exact,
-                lora=not full,
+                lora=False if full else (True if lora else None),
                 lora_rank=lora_rank,
                 lora_alpha=lora_alpha,
                 epochs=epochs,
@@ -796,6 +829,13 @@ def finetune(
                 device=device,
                 distill=distill,
                 distill_temperature=distill_temperature,
+                attention_dropout=attention_dropout,
+                max_seconds=max_seconds,
+                eval_at=_marks(eval_at),
+                eval_limit=eval_limit,
+                eval_exact=eval_exact,
+                warmup_steps=warmup_steps,
+                schedule=schedule,
                 reporter=reporter,
             )
         except FinetuneInterrupted as interrupted:
@@ -821,6 +861,20 @@ def finetune(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _marks(text: str | None) -> list[float]:
+    """``--eval-at 0,300,600`` as seconds."""
+    from bert_cluster.errors import UserError
+
+    if not text:
+        return []
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(
+            f"--eval-at takes seconds separated by commas, e.g. 0,300,600; got {text!r}"
+        ) from None
 
 
 @app.command()

@@ -1,29 +1,26 @@
 """The paper's training claim on long documents (issue 40, item 3): at an equal wall-clock budget, does a
 text encoder trained with clustered attention end better than one trained with exact attention?
 
-Contrastive fine-tuning of the MiniLM-16k proxy (all-MiniLM-L6-v2 with its 512 positions copied to 16,384,
-``bert_cluster.tasks.proxy``; the same weights as ``../shared/models/build.py OUT minilm-l6-16k``) on
-SQuAD v1.1 dev as long-document retrieval: the questions of articles 1-24 against their article, cut at
-``--length`` tokens (4,096). A step embeds ``--batch-size`` articles (no article twice) and
-``--questions-per-article`` (16) questions of each: one article embedding, the costly part of a step,
-trains 16 questions instead of one (with one, the loss was 0.002 within a few steps and the held-out score
-never moved). Each question is scored against the step's articles (in-batch negatives; at one question per
-article this is sentence-transformers' MultipleNegativesRankingLoss), and with ``--negatives bank`` also
-against the other training articles' last embeddings. Scored on articles 25-48: each question against the
-24 held-out articles (R@1, MRR@10, x 100), each model with the attention it was trained with.
+The recipe is the task ``squad-articles-train`` (``configs/tasks/long/squad_articles_train.yaml``, kind
+long-retrieval): contrastive fine-tuning of the MiniLM-16k proxy (all-MiniLM-L6-v2 with its 512 positions
+copied to 16,384, ``bert_cluster.tasks.proxy``; the same weights as ``../shared/models/build.py OUT
+minilm-l6-16k``) on SQuAD v1.1 dev as long-document retrieval: the questions of articles 1-24 against
+their article, cut at ``--length`` tokens (4,096), 16 questions sharing one article embedding; scored on
+articles 25-48 (R@1, MRR@10, x 100), each model with the attention it was trained with. This script trains
+nothing itself: each arm is one ``bert_cluster.finetune`` run (Trainer) with a budget of training time
+(``max_seconds``, scoring excluded) and the held-out split scored at each budget (``eval_at``); the script
+puts both arms' reports into one results file, its verdicts, table and plot.
 
 Both runs train without attention dropout (``--attention-dropout``, default 0): torch's CPU flash kernel
 has no dropout, and with it the exact run's SDPA falls back to the math path, which keeps every N x N
 probability for the backward (15.8 GiB for one 4,096-token article; a batch of 4 does not fit in 24 GiB).
 
-Two runs in one process, one after the other, on the same machine and threads: ``exact`` (the model
-unmodified, torch's SDPA) and ``clustered`` (``bert_cluster.convert``'s defaults, or ``--clusters``,
-``--mode``, ``--cluster-growth``, ``--topk-growth``). Each trains until the largest budget of training time
-(evaluation excluded) and keeps a copy of its weights as it passes each budget; the copies are scored
-after training, so scoring never eats a budget. Same seed and data order for both. The verdicts: at every
-budget the clustered run scores at least the exact run's (R@1), and the clustered run reaches the exact
-run's final R@1 within half the exact run's time. Writes JSON, a Markdown table and a plot (loss and R@1
-against training time).
+Two runs, one after the other, on the same machine and threads: ``exact`` (the model unmodified, torch's
+SDPA) and ``clustered`` (``bert_cluster.convert``'s defaults, or ``--clusters``, ``--mode``,
+``--cluster-growth``, ``--topk-growth``, ``--min-length``). Same seed and data order for both. The
+verdicts: at every budget the clustered run scores at least the exact run's (R@1), and the clustered run
+reaches the exact run's final R@1 within half the exact run's time. Writes JSON, a Markdown table and a
+plot (loss and R@1 against training time).
 
     python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 \\
         --output docs/results/long_document_training_xeon_amx/training.json
@@ -36,9 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_long_context import environment, load_average  # noqa: E402
 
+from bert_cluster.tasks.kinds.long_retrieval import (  # noqa: E402, F401 (the recipe's parts, named here as before)
+    CHARACTERS_PER_TOKEN,
+    article_retrieval_loss,
+    article_rows,
+)
+
 TRAIN_ARTICLES = 24  # articles 1-24 train, 25-48 are scored (the SQuAD checkpoint's split)
 VARIANTS = ("exact", "clustered")
+#: The task that holds the recipe (its train split, held-out split and loss).
+TASK = "squad-articles-train"
+#: Held-out questions (articles 25-48), what ``--eval-every`` divides.
+HELD_OUT_QUESTIONS = 4874
 
 
 def load_articles():
@@ -60,12 +66,6 @@ def load_articles():
     with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
         document = json.load(handle)
     return articles_from_paragraphs(document["paragraphs"], document["questions"])
-
-
-#: Articles are cut at this many characters per token of ``--length`` before tokenising (a WordPiece token
-#: of English text averages about 4 characters): the tokenizer would otherwise encode each whole article,
-#: up to 17.5k tokens, to keep the first 4,096, which made up a third of a short run.
-CHARACTERS_PER_TOKEN = 12
 
 
 def split(articles, eval_every: int, length: int) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -89,237 +89,72 @@ def split(articles, eval_every: int, length: int) -> tuple[list[tuple[str, str]]
     }
 
 
-def article_rows(pairs: list[tuple[str, str]], questions_per_article: int, seed: int) -> dict[str, list[Any]]:
-    """Rows of ``questions_per_article`` questions of one article and the article, articles interleaved in
-    a seeded order: one article's embedding (the costly part of a step) then serves that many questions
-    instead of one. An article's last row is filled from its own shuffled questions again."""
-    by_article: dict[str, list[str]] = {}
-    for question, document in pairs:
-        by_article.setdefault(document, []).append(question)
-    documents = list(by_article)
-    generator = random.Random(seed)
-    rows: list[tuple[list[str], str, int]] = []
-    for index, document in enumerate(documents):
-        questions = by_article[document][:]
-        generator.shuffle(questions)
-        for start in range(0, len(questions), questions_per_article):
-            chunk = questions[start : start + questions_per_article]
-            chunk += questions[: questions_per_article - len(chunk)]
-            rows.append((chunk, document, index))
-    generator.shuffle(rows)
-    columns: dict[str, list[Any]] = {
-        f"question_{j}": [row[0][j] for row in rows] for j in range(questions_per_article)
-    }
-    columns["article"] = [row[1] for row in rows]
-    columns["label"] = [row[2] for row in rows]
-    return {"columns": columns, "documents": documents}
+def proxy_folder(folder: str | None, cache: str | None) -> str:
+    """The MiniLM-16k proxy: the folder given, else built once into the cache."""
+    if folder is not None:
+        return folder
+    from bert_cluster.checkpoints import default_model_path
+    from bert_cluster.tasks.proxy import long_position_proxy
 
-
-def article_retrieval_loss(model, documents: list[str], bank: bool, scale: float = 20.0):
-    """Each question against the batch's articles (in-batch negatives, sentence-transformers' scaled
-    cosine and cross-entropy), and with ``bank`` also against the last embedding of every other training
-    article (no gradient through those): the held-out task is a choice among 24 articles, while 3 in-batch
-    negatives gave a loss of 0.08 from the first step and little to learn from."""
-    import torch
-    from torch.nn.functional import cross_entropy, normalize
-
-    class ArticleRetrievalLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-            self.bank: torch.Tensor | None = None
-
-        def _fill_bank(self) -> torch.Tensor:
-            """The training articles' embeddings before the first step (counted as training time)."""
-            with torch.no_grad():
-                rows = [self.embed(self.model.preprocess([document])) for document in documents]
-            return torch.cat(rows).detach()
-
-        def embed(self, features) -> torch.Tensor:
-            return normalize(self.model(features)["sentence_embedding"].float(), dim=-1)
-
-        def forward(self, sentence_features, labels: torch.Tensor) -> torch.Tensor:
-            *question_columns, article_column = list(sentence_features)
-            articles = self.embed(article_column)
-            questions = torch.cat([self.embed(column) for column in question_columns])
-            targets = torch.arange(len(articles)).repeat(len(question_columns))
-            candidates = articles
-            if bank:
-                if self.bank is None:
-                    self.bank = self._fill_bank()
-                others = torch.ones(len(self.bank), dtype=torch.bool)
-                others[labels] = False
-                candidates = torch.cat([articles, self.bank[others]])
-                self.bank[labels] = articles.detach()
-            return cross_entropy(scale * questions @ candidates.T, targets)
-
-    return ArticleRetrievalLoss()
+    return str(long_position_proxy(default_model_path(), 16384, cache=cache))
 
 
 def build_model(folder: str | None, cache: str | None, attention_dropout: float):
-    """The proxy as a SentenceTransformer (mean pooling, normalised), built once into the cache, with the
-    attention dropout both runs train with."""
+    """The proxy as a SentenceTransformer (mean pooling, normalised), with the attention dropout both runs
+    train with (``long_document_fidelity.py`` scores it)."""
     from sentence_transformers import SentenceTransformer
 
-    if folder is None:
-        from bert_cluster.checkpoints import default_model_path
-        from bert_cluster.tasks.proxy import long_position_proxy
-
-        folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
     config = {"attention_probs_dropout_prob": attention_dropout}
-    return SentenceTransformer(folder, device="cpu", config_kwargs=config)
+    return SentenceTransformer(proxy_folder(folder, cache), device="cpu", config_kwargs=config)
 
 
-def prepare(model, variant: str, length: int, convert: dict[str, Any]):
-    model.max_seq_length = length
-    if variant == "clustered":
-        import bert_cluster
+def run_variant(variant: str, args) -> dict[str, Any]:
+    """One arm: ``bert_cluster.finetune`` on the task until the last budget, scored at every budget."""
+    import bert_cluster
+    from bert_cluster.config import ClusteredAttentionConfig
 
-        bert_cluster.convert(model[0].auto_model, **convert)
-    return model
-
-
-def score(model, held_out: dict[str, Any], batch_size: int) -> dict[str, float]:
-    """R@1 and MRR@10 (x 100) of the held-out questions against the held-out articles."""
-    import torch
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
-
-    evaluator = InformationRetrievalEvaluator(
-        held_out["queries"],
-        held_out["corpus"],
-        held_out["relevant"],
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        accuracy_at_k=[1],
-        precision_recall_at_k=[1],
-        map_at_k=[10],
-        batch_size=batch_size,
-        name="heldout",
-        write_csv=False,
+    clustered = variant == "clustered"
+    result = bert_cluster.finetune(
+        proxy_folder(args.minilm_16k, args.cache),
+        args.task,
+        Path(args.work) / variant,
+        attention=ClusteredAttentionConfig.for_convert(**args.convert) if clustered else None,
+        exact=not clustered,
+        lora=False,
+        epochs=args.max_epochs,
+        learning_rate=args.learning_rate,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        save_steps=args.save_steps,
+        overwrite=True,
+        max_length=args.length,
+        attention_dropout=args.attention_dropout,
+        max_seconds=max(args.budgets),
+        eval_at=[0, *args.budgets],
+        eval_limit=math.ceil(HELD_OUT_QUESTIONS / args.eval_every),
+        eval_exact=clustered and args.score_exact_too,
+        schedule="linear",
     )
-    model.eval()
-    with torch.inference_mode():
-        metrics = evaluator(model)
+    points = []
+    for entry in result.evaluations:
+        point = {"budget": entry["mark"], "seconds": entry["seconds"], "step": entry["step"]}
+        point.update(_scores(entry["scores"]))
+        if "exact_attention" in entry:
+            point["exact_attention"] = _scores(entry["exact_attention"])
+        points.append(point)
+        print(f"  {variant} at {entry['mark']:g} s: R@1 {point['R@1']:.1f}")
+    seconds = {entry["step"]: entry["seconds"] for entry in result.clock_curve}
+    curve = [{"seconds": seconds[c["step"]], "step": c["step"], "loss": c["loss"]} for c in result.loss_curve]
+    reached = {p["budget"] for p in points}
     return {
-        "R@1": 100 * metrics["heldout_cosine_recall@1"],
-        "MRR@10": 100 * metrics["heldout_cosine_mrr@10"],
+        "points": points,
+        "curve": curve,
+        "unreached_budgets": [b for b in args.budgets if b not in reached],
     }
 
 
-def train(model, pairs, args, variant: str) -> dict[str, Any]:
-    """Train until the last budget; keep the weights passed at each budget and the loss curve."""
-    import torch
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.sentence_transformer.training_args import BatchSamplers
-    from transformers import PrinterCallback, TrainerCallback
-
-    budgets = sorted(args.budgets)
-    rows = article_rows(pairs, args.questions_per_article, args.seed)
-    dataset = Dataset.from_dict(rows["columns"])
-    snapshots: list[dict[str, Any]] = []
-    curve: list[dict[str, float]] = []
-
-    class Budget(TrainerCallback):
-        """Training time only: the time spent here (copying weights) is taken off the clock."""
-
-        def __init__(self) -> None:
-            self.start = None
-            self.paused = 0.0
-
-        def elapsed(self) -> float:
-            return time.perf_counter() - self.start - self.paused
-
-        def on_train_begin(self, *_, **__):
-            self.start = time.perf_counter()
-
-        def on_log(self, _args, state, _control, logs=None, **__):
-            if logs and "loss" in logs:
-                curve.append({"seconds": self.elapsed(), "step": state.global_step, "loss": logs["loss"]})
-
-        def on_step_end(self, _args, state, control, **__):
-            seconds = self.elapsed()
-            pause = time.perf_counter()
-            while len(snapshots) < len(budgets) and seconds >= budgets[len(snapshots)]:
-                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                budget = budgets[len(snapshots)]
-                snapshots.append(
-                    {"budget": budget, "seconds": seconds, "step": state.global_step, "weights": weights}
-                )
-                print(f"  {variant}: budget {snapshots[-1]['budget']:g} s passed at step {state.global_step}")
-            self.paused += time.perf_counter() - pause
-            if len(snapshots) == len(budgets):
-                control.should_training_stop = True
-            elif state.global_step % 10 == 0:  # the budget is the clock: what is left of it is the ETA
-                loss = curve[-1]["loss"] if curve else float("nan")
-                print(f"  {variant}: step {state.global_step}, {seconds:.0f}/{budgets[-1]:g} s of training, "
-                      f"about {budgets[-1] - seconds:.0f} s left, loss {loss:.3f}")  # fmt: skip
-
-    arguments = SentenceTransformerTrainingArguments(
-        output_dir=str(Path(args.work) / variant),
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=0,
-        num_train_epochs=args.max_epochs,
-        batch_sampler=BatchSamplers.NO_DUPLICATES,
-        seed=args.seed,
-        data_seed=args.seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-
-    class Trainer(SentenceTransformerTrainer):
-        def add_model_card_callback(self, *_, **__) -> None:
-            """No model card: its dataset statistics tokenise every article again (half a short run)."""
-
-    torch.manual_seed(args.seed)
-    trainer = Trainer(
-        model=model,
-        args=arguments,
-        train_dataset=dataset,
-        loss=article_retrieval_loss(model, rows["documents"], bank=args.negatives == "bank"),
-        callbacks=[Budget()],
-    )
-    trainer.remove_callback(PrinterCallback)  # the loss is in the curve and the progress lines
-    trainer.train()
-    return {"snapshots": snapshots, "curve": curve}
-
-
-def score_copy(model, variant: str, held_out: dict[str, Any], args) -> dict[str, Any]:
-    """A copy's scores with the attention it was trained with; with ``--score-exact-too`` the clustered
-    copy's also with exact attention (``exact_attention``), which tells what its training learned from
-    what its approximation costs at scoring."""
-    scores: dict[str, Any] = score(model, held_out, args.eval_batch_size)
-    if variant == "clustered" and args.score_exact_too:
-        import bert_cluster
-
-        encoder = model[0].auto_model
-        bert_cluster.revert(encoder)
-        try:
-            scores["exact_attention"] = score(model, held_out, args.eval_batch_size)
-        finally:
-            bert_cluster.convert(encoder, **args.convert)
-    return scores
-
-
-def run_variant(variant: str, pairs, held_out, args) -> dict[str, Any]:
-    model = build_model(args.minilm_16k, args.cache, args.attention_dropout)
-    model = prepare(model, variant, args.length, args.convert)
-    print(f"{variant}: scoring the untrained model")
-    before = score_copy(model, variant, held_out, args)
-    trained = train(model, pairs, args, variant)
-    points = [{"budget": 0, "seconds": 0.0, "step": 0, **before}]
-    for snapshot in trained["snapshots"]:
-        model.load_state_dict(snapshot["weights"])
-        points.append({key: snapshot[key] for key in ("budget", "seconds", "step")})
-        points[-1].update(score_copy(model, variant, held_out, args))
-        print(f"  {variant} at {snapshot['budget']:g} s: R@1 {points[-1]['R@1']:.1f}")
-    unreached = [b for b in args.budgets if b not in {s["budget"] for s in trained["snapshots"]}]
-    return {"points": points, "curve": trained["curve"], "unreached_budgets": unreached}
+def _scores(scores: dict[str, float]) -> dict[str, float]:
+    return {"R@1": scores["recall@1"], "MRR@10": scores["mrr@10"]}
 
 
 def verdicts(result: dict[str, Any]) -> dict[str, Any]:
@@ -455,13 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=4096, help="tokens per article")
     parser.add_argument("--batch-size", type=int, default=4, help="questions (and articles) per step")
     parser.add_argument(
-        "--questions-per-article", type=int, default=16, help="questions sharing one article's embedding"
-    )
-    parser.add_argument(
-        "--negatives",
-        choices=("in-batch", "bank"),
-        default="in-batch",
-        help="in-batch: the batch's other articles; bank: also every other training article's last embedding",
+        "--task",
+        default=TASK,
+        help="the recipe's task: a variant (other options.questions_per_article, train.loss "
+        "contrastive-bank for a bank of every training article as negatives) is a task file that includes "
+        "configs/tasks/long/squad_articles_train.yaml",
     )
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-epochs", type=float, default=100.0, help="a bound; the budgets stop training")
@@ -474,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--clusters", type=int, help="clustered run's C (default: convert's)")
     parser.add_argument("--mode", help="clustered run's mode (default: convert's)")
+    parser.add_argument(
+        "--min-length", type=int, help="clustered run's min_length (default: convert's, auto; 0: every row)"
+    )
     for growth in ("cluster-growth", "topk-growth"):
         parser.add_argument(
             f"--{growth}",
@@ -483,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--eval-every", type=int, default=1, help="score every n-th held-out question")
-    parser.add_argument("--eval-batch-size", type=int, default=4)
+    parser.add_argument("--save-steps", type=int, default=500, help="a checkpoint every N steps (--work)")
     parser.add_argument(
         "--score-exact-too",
         action="store_true",
@@ -524,11 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     if (
         any(b <= 0 for b in args.budgets)
         or min(args.length, args.batch_size) < 2
-        or min(args.eval_every, args.questions_per_article) < 1
+        or min(args.eval_every, args.save_steps) < 1
     ):
         parser.error(
-            "budgets must be positive, --length >= 2, --batch-size >= 2, --eval-every >= 1, "
-            "--questions-per-article >= 1"
+            "budgets must be positive, --length >= 2, --batch-size >= 2, --eval-every >= 1, --save-steps >= 1"
         )
     if not 0 <= args.attention_dropout < 1:
         parser.error(f"--attention-dropout must be in [0, 1), got {args.attention_dropout}")
@@ -537,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         args.convert["clusters"] = args.clusters
     if args.mode is not None:
         args.convert["mode"] = args.mode
+    if args.min_length is not None:
+        args.convert["min_length"] = args.min_length
     for name in ("cluster_growth", "topk_growth"):
         value = getattr(args, name)
         if value is not None:
@@ -552,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     pairs, held_out = split(load_articles(), args.eval_every, args.length)
-    print(f"{len(pairs)} training pairs, {len(held_out['queries'])} held-out questions, "
+    print(f"{len(pairs)} training pairs, about {len(held_out['queries'])} held-out questions, "
           f"{len(held_out['corpus'])} held-out articles; budgets {args.budgets} s")  # fmt: skip
     load_before = load_average()
-    variants = {variant: run_variant(variant, pairs, held_out, args) for variant in args.variants}
+    variants = {variant: run_variant(variant, args) for variant in args.variants}
     result = {
         "settings": {
             key: value if not isinstance(value, Path) else str(value)

@@ -17,6 +17,7 @@ from families import tiny_config, tiny_model
 __all__ = [
     "RTE_ROWS",
     "kernel_backends",
+    "kill_when_written",
     "require_kernels",
     "save_model",
     "save_sentence_transformer",
@@ -182,3 +183,16 @@ def load_script(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(scripts)
+
+
+def kill_when_written(process, path: Path, timeout: float = 300.0) -> None:
+    """``kill -9`` ``process`` once ``path`` exists (a checkpoint written); fail with its stderr if never."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    _, error = process.communicate(timeout=30)
+    assert path.is_file(), error.decode()[-2000:]

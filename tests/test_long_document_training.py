@@ -1,5 +1,6 @@
 """scripts/long_document_training.py (issue 40, item 3): the split, the verdicts, and a run end to end on a
-small random sentence-transformer with seconds-long budgets."""
+small random sentence-transformer with seconds-long budgets (each arm a ``bert_cluster.finetune`` run of
+the task ``squad-articles-train``, whose kind holds the recipe's rows and loss)."""
 
 from __future__ import annotations
 
@@ -90,15 +91,15 @@ def test_the_growth_options_reach_convert_and_out_of_range_ones_exit_2(tmp_path,
     import bert_cluster
 
     class Converted(Exception):
-        """Stops the run at the clustered model's conversion."""
+        """Stops the run at the clustered arm's fine-tuning call, which converts with these settings."""
 
     seen: dict = {}
 
-    def convert(model, **settings):
-        seen.update(settings)
+    def finetune(model, task, output, **settings):
+        seen.update(settings["attention"].to_dict())
         raise Converted
 
-    monkeypatch.setattr(bert_cluster, "convert", convert)
+    monkeypatch.setattr(bert_cluster, "finetune", finetune)
     script = _script()
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--variants", "clustered"]
@@ -114,18 +115,24 @@ def test_the_growth_options_reach_convert_and_out_of_range_ones_exit_2(tmp_path,
 
 
 @pytest.mark.slow
-def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path, monkeypatch):
+def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path):
     """--score-exact-too: untrained, the clustered model scored with exact attention is the exact model,
     so its scores equal the exact run's; the model goes back to clustered attention for its training."""
-    import bert_cluster
-
-    convert = bert_cluster.convert  # every row approximated: 64 tokens are under the "auto" minimum
-    monkeypatch.setattr(bert_cluster, "convert", lambda m, **kw: convert(m, **{"min_length": 0, **kw}))
     script = _script()
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     output = tmp_path / "out" / "training.json"
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--eval-every", "60"]
-    arguments += ["--batch-size", "4", "--clusters", "2", "--work", str(tmp_path / "work")]
+    # every row approximated: 64 tokens are under the "auto" minimum
+    arguments += [
+        "--batch-size",
+        "4",
+        "--clusters",
+        "2",
+        "--min-length",
+        "0",
+        "--work",
+        str(tmp_path / "work"),
+    ]
     assert script.main([*arguments, "--output", str(output), "--score-exact-too"]) == 0
     result = json.loads(output.read_text())
     exact, clustered = (result["variants"][v] for v in ("exact", "clustered"))

@@ -45,9 +45,10 @@ _TOP_KEYS = {
 }
 _DATA_KEYS = {"hub", "files"}
 _TRAIN_KEYS = {"hub", "files", "loss"}
-#: The losses a ``train:`` split may name: what the model's own head computes from the labels
-#: (``bert-cluster finetune``): classes, a regression score, a SQuAD answer span.
-TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy")
+#: The losses a ``train:`` split may name (``bert-cluster finetune``): what the model's own head computes
+#: from the labels (classes, a regression score, a SQuAD answer span); a question against the articles
+#: (long-document retrieval: in-batch negatives, or also a bank of every training article).
+TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy", "contrastive", "contrastive-bank")
 _HUB_KEYS = {"path", "name", "split"}
 _FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles"}
 
@@ -86,8 +87,9 @@ class LocalFile:
         quoting: honour double quotes in TSV/CSV (GLUE's sentence files need this off).
         encoding: text encoding (``utf-8-sig`` drops MRPC's byte-order mark).
         packaged: the file ships in ``bert_cluster/data`` (searched after the user's data folders).
-        articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` file
-            (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint was trained).
+        articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` or
+            ``retrieval-json`` file (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint
+            was trained).
     """
 
     path: str
@@ -240,12 +242,13 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
     if articles is not None:
         _require(
             where,
-            fmt == "squad-json"
+            fmt in ("squad-json", "retrieval-json")
             and isinstance(articles, list)
             and len(articles) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) for n in articles)
             and 1 <= articles[0] <= articles[1],
-            f"articles must be [first, last] (1-based, first <= last) of a squad-json file, got {articles!r}",
+            "articles must be [first, last] (1-based, first <= last) of a squad-json or retrieval-json "
+            f"file, got {articles!r}",
         )
         articles = (articles[0], articles[1])
     return LocalFile(

@@ -14,7 +14,8 @@ import csv
 import dataclasses
 import glob
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,11 +157,21 @@ def _squad_rows(articles: Any, path: Path, chosen: tuple[int, int] | None = None
     return rows
 
 
-def _retrieval_rows(path: Path) -> list[dict[str, Any]]:
-    """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows."""
+def _retrieval_rows(path: Path, chosen: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows.
+
+    ``chosen``: only articles first..last (1-based, inclusive, in the file's order of paragraphs).
+    """
     paragraphs = load_dataset("json", data_files=str(path), field="paragraphs", split="train")
     questions = load_dataset("json", data_files=str(path), field="questions", split="train")
     context = dict(zip(paragraphs["id"], paragraphs["context"], strict=True))
+    if chosen is not None:
+        titles = list(dict.fromkeys(paragraph.rsplit("/", 1)[0] for paragraph in paragraphs["id"]))
+        first, last = chosen
+        if last > len(titles):
+            raise UserError(f"{path} has {len(titles)} articles; the task asks for articles {first}-{last}")
+        kept = set(titles[first - 1 : last])
+        questions = [row for row in questions if row["paragraph"].rsplit("/", 1)[0] in kept]
     return [
         {
             "id": row["id"],
@@ -204,7 +215,7 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
             data = load_dataset("json", data_files=str(path), field="data", split="train")
             return _squad_rows(data, path, spec.articles)
         else:  # retrieval-json; tasks.py allows nothing else
-            return _retrieval_rows(path)
+            return _retrieval_rows(path, spec.articles)
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001 - a malformed file: say which, in one line
@@ -256,6 +267,50 @@ def load_rows(
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")
     return rows
+
+
+def locator(task: TaskConfig, data_dir: Any, source: str, count: int) -> Callable[[int, dict[str, Any]], str]:
+    """Where each of the ``count`` train rows ``load_rows`` read from ``source`` is, for messages.
+
+    A line of a TSV/CSV file, a question id of a SQuAD file, else a row number (from 1).
+    """
+    found = find_local(task, data_dirs(data_dir), split="train")
+    if found is None or str(found[0].resolve()) != source:  # the hub
+        return lambda index, row: f"{source} row {index + 1}"
+    path, spec = found
+    if spec.format == "squad-json":
+        return lambda index, row: f"{path} question {row.get('id')!r}"
+    if spec.format not in ("tsv", "csv"):
+        return lambda index, row: f"{path} row {index + 1}"
+    lines: list[int] = []
+
+    def where(index: int, row: dict[str, Any]) -> str:
+        if not lines:
+            lines.extend(_row_lines(path, spec))
+        if len(lines) != count:  # read otherwise than pandas did: say the row, not a wrong line
+            return f"{path} row {index + 1}"
+        return f"{path} line {lines[index]}"
+
+    return where
+
+
+def _row_lines(path: Path, spec: LocalFile) -> list[int]:
+    """The line each row of a TSV/CSV file starts on, as pandas reads it (blank lines skipped)."""
+    quoting = csv.QUOTE_MINIMAL if spec.quoting else csv.QUOTE_NONE
+    limit = csv.field_size_limit(sys.maxsize)
+    starts, start = [], 1
+    try:
+        with open(path, encoding=spec.encoding, newline="") as handle:
+            reader = csv.reader(handle, delimiter="\t" if spec.format == "tsv" else ",", quoting=quoting)
+            for cells in reader:
+                if cells:
+                    starts.append(start)
+                start = reader.line_num + 1
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+    finally:
+        csv.field_size_limit(limit)
+    return starts[1:] if spec.header else starts
 
 
 def load_task_texts(

@@ -13,12 +13,18 @@ times them (speed beside the scores) and gathers the outputs; a kind that runs i
 timed as a whole and in every process. Optional: ``positions(task, checkpoint_positions)``, the positions
 of the model the kind really scores when it derives one from the checkpoint (``evaluate`` checks
 ``--max-length`` against it before any work).
+
+A kind that can be trained (``bert-cluster finetune``) also has the ``TrainableKind`` members: the
+``train.loss`` values it trains, its model loaded for training (through ``bert_cluster.checkpoints``, the
+one way every model is loaded), the check of its training rows, its training features and the Trainer
+that trains on them, and how the trained model is saved. ``HeadTraining`` gives the members that kinds
+training a transformers head share.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,6 +112,144 @@ class TaskKind(Protocol):
         ...
 
 
+@dataclasses.dataclass
+class TrainingModel:
+    """A model ready to train, as a kind loads it for ``finetune``.
+
+    Attributes:
+        model: what the Trainer trains; its forward computes the loss from the features' labels.
+        tokenizer: its tokenizer (saved beside the trained model).
+        source: the checkpoint (or model config) it came from.
+        has_head: the checkpoint held the task's head (False: the head is fresh).
+        fresh: the weights the checkpoint did not hold (left out of the weights' hash).
+        patched: the module ``bert_cluster.convert`` patches (None: ``model`` itself).
+        extra: whatever else the kind keeps (the label mapping).
+        max_length: the run's length in tokens, the features' truncation or window.
+        seed: the run's seed (data order, fresh weights, masks).
+    """
+
+    model: Any
+    tokenizer: Any
+    source: str
+    has_head: bool = True
+    fresh: list[str] = dataclasses.field(default_factory=list)
+    patched: torch.nn.Module | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_length: int = 512
+    seed: int = 0
+
+    @property
+    def target(self) -> torch.nn.Module:
+        """The module to convert."""
+        return self.patched if self.patched is not None else self.model
+
+
+#: Where a training row (its index among the rows read, and the row) came from, for a message.
+Locator = Callable[[int, dict[str, Any]], str]
+
+
+class TrainableKind(Protocol):
+    """What a kind that ``finetune`` trains provides, besides the ``TaskKind`` members."""
+
+    #: The ``train.loss`` values it trains; ``lora``: whether LoRA suits its model (the default then);
+    #: ``distillable``: whether ``finetune --distill`` can train it towards its own outputs.
+    losses: tuple[str, ...]
+    lora: bool
+    distillable: bool
+
+    def check_training(self, task: Any) -> None:
+        """Raise ``UserError`` if the task's ``train.loss`` does not fit its labels."""
+        ...
+
+    def training_model(
+        self, source: str, task: Any, overrides: Mapping[str, Any] | None = None
+    ) -> TrainingModel:
+        """The model with the head the loss trains (a fresh head where the checkpoint has none).
+
+        ``overrides``: model config settings to load it with (an attention dropout).
+        """
+        ...
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], task: Any, where: Locator) -> None:
+        """Refuse, before any training, a row the loss cannot take, naming where it is."""
+        ...
+
+    def training_features(self, rows: Sequence[dict[str, Any]], task: Any, trained: TrainingModel) -> Any:
+        """The features the Trainer trains on (a list of dicts, or a dataset), at ``trained.max_length``."""
+        ...
+
+    def trainer(self, trained: TrainingModel, features: Any, setup: dict[str, Any]) -> Any:
+        """The ``transformers.Trainer`` (or a subclass) over ``features``.
+
+        ``setup``: ``arguments`` (the ``TrainingArguments``' values), ``callbacks``, and for distillation
+        ``trainer_class`` with its own keyword arguments.
+        """
+        ...
+
+    def save(self, model: Any, tokenizer: Any, output: Path) -> None:
+        """Save the trained model (and its tokenizer) where ``evaluate`` loads it from."""
+        ...
+
+
+class HeadTraining:
+    """The training members that kinds training a transformers head (classes, spans) share."""
+
+    lora = True
+    distillable = True
+
+    def trainer(self, trained: TrainingModel, features: Any, setup: dict[str, Any]) -> Any:
+        """``transformers.Trainer`` (``setup["trainer_class"]``: a subclass) with the kind's collator."""
+        import transformers
+
+        extra = dict(setup)
+        trainer_class = extra.pop("trainer_class", transformers.Trainer)
+        return trainer_class(
+            model=trained.model,
+            args=transformers.TrainingArguments(**extra.pop("arguments")),
+            train_dataset=features,
+            data_collator=self.collator(trained),
+            callbacks=extra.pop("callbacks"),
+            **extra,
+        )
+
+    def collator(self, trained: TrainingModel) -> Any:
+        """Dynamic padding of each batch to its longest member."""
+        import transformers
+
+        return transformers.DataCollatorWithPadding(trained.tokenizer)
+
+    def save(self, model: Any, tokenizer: Any, output: Path) -> None:
+        """``save_pretrained`` of the model and its tokenizer."""
+        model.save_pretrained(output)
+        tokenizer.save_pretrained(output)
+
+
+def check_text(value: Any, field: str) -> None:
+    """Refuse a training text no tokenizer takes (missing, not a string, a lone surrogate)."""
+    if value is None:
+        raise UserError(f"no {field} (missing or null): every row needs its text")
+    if not isinstance(value, str):
+        raise UserError(f"{field} is a {type(value).__name__}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate (a JSON escape): no tokenizer takes it
+        raise UserError(
+            f"{field} is not valid Unicode: a lone surrogate U+{ord(value[error.start]):04X} at character "
+            f"{error.start + 1}, which no tokenizer takes"
+        ) from None
+
+
+def check_each_row(
+    rows: Sequence[dict[str, Any]], where: Locator, check: Callable[[dict[str, Any]], None]
+) -> None:
+    """``check`` every row; its ``UserError`` names the row's file and line (``where``)."""
+    for index, row in enumerate(rows):
+        try:
+            check(row)
+        except UserError as error:
+            raise UserError(f"{where(index, row)}: {error}") from None
+
+
 KINDS: dict[str, TaskKind] = {}
 
 
@@ -131,6 +275,31 @@ def get_kind(task: Any) -> TaskKind:
     if check is not None:
         check(task)
     return kind
+
+
+def trainable(task: Any) -> TrainableKind:
+    """The kind of ``task`` as a trainable one, its ``train:`` split checked against it.
+
+    Raises:
+        UserError: the task has no train split, its kind trains nothing, or not its loss.
+    """
+    kind = get_kind(task)
+    if task.train is None:
+        raise UserError(f"task {task.name} has no train split")
+    losses = getattr(kind, "losses", ())
+    if task.train.loss not in losses:
+        raise UserError(f"task {task.name}: finetune does not train the loss {task.train.loss!r}")
+    kind.check_training(task)  # type: ignore[attr-defined]
+    return kind  # type: ignore[return-value]
+
+
+def check_rows(rows: Sequence[dict[str, Any]], task: Any, where: Locator) -> None:
+    """Refuse, before any training, a row whose texts or label the task's loss cannot take.
+
+    Raises:
+        UserError: naming the row's file and line (``where``), the field and what is allowed.
+    """
+    trainable(task).check_rows(rows, task, where)
 
 
 def check_options(task: Any, allowed: Sequence[str]) -> None:
@@ -168,4 +337,9 @@ def first_n(items: list[Any], limit: int | None) -> list[Any]:
 
 
 # The built-in kinds register themselves on import.
-from bert_cluster.tasks.kinds import classification, embedding, long_retrieval, squad  # noqa: E402, F401
+from bert_cluster.tasks.kinds import (  # noqa: E402, F401
+    classification,
+    embedding,
+    long_retrieval,
+    squad,
+)
