@@ -33,8 +33,13 @@ def check_model_path(model: str | Path) -> str:
         raise UserError("the model path is empty")
     path = Path(text).expanduser()
     if path.exists():
+        if path.is_file() and path.suffix == ".json":  # a model config: random weights (pretraining)
+            return str(path)
         if not path.is_dir():
-            raise UserError(f"model path {path} is not a folder (expected a transformers checkpoint folder)")
+            raise UserError(
+                f"model path {path} is not a folder (expected a transformers checkpoint folder, or a model "
+                "config .json to train from random weights)"
+            )
         if not (path / "config.json").is_file():
             raise UserError(f"model folder {path} has no config.json: not a transformers checkpoint")
         return str(path)
@@ -155,6 +160,44 @@ def load_head_checkpoint(
     fresh = list(info.get("missing_keys", []))
     has_head = not any(key.startswith(tuple(head_prefixes)) for key in fresh)
     return HeadCheckpoint(loaded, tokenizer, source, has_head, fresh)
+
+
+def is_model_config(model: str | Path) -> bool:
+    """Whether ``model`` names a model config file (``configs/models/*.json``): random weights."""
+    path = Path(str(model)).expanduser()
+    return path.suffix == ".json" and path.is_file()
+
+
+def load_model_config(path: str | Path, auto_class: Any) -> HeadCheckpoint:
+    """A model with random weights from a config file, and its tokenizer made without files.
+
+    The file is a transformers ``config.json`` (its ``model_type`` picks the family) naming its
+    ``tokenizer_class``, one that needs no vocabulary file (transformers' ``ByT5Tokenizer``: bytes). The
+    weights are drawn from torch's generator: seed it first for the same weights every run.
+
+    Raises:
+        UserError: the file is not a model config, or its tokenizer needs files.
+    """
+    import json
+
+    import transformers
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        config = transformers.AutoConfig.for_model(**raw)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path} is not a transformers model config: {one_line(error)}") from None
+    name = getattr(config, "tokenizer_class", None)
+    tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    try:
+        tokenizer = tokenizer_class()  # type: ignore[misc]
+    except (TypeError, ValueError, OSError) as error:
+        raise UserError(
+            f"{path}: tokenizer_class {name!r} cannot be made without files ({one_line(error)}); name one "
+            "that needs none (ByT5Tokenizer), or train from a checkpoint folder"
+        ) from None
+    model = auto_class.from_config(config)
+    return HeadCheckpoint(model, tokenizer, str(path), False, [])
 
 
 def load_with_head(

@@ -780,6 +780,9 @@ def finetune(
 ) -> None:
     """Fine-tune MODEL on a task's train split with clustered attention in the loop (docs/finetune.md).
 
+    MODEL may be a model config .json (random weights: masked-LM pretraining, e.g.
+    configs/models/byte_bert_4k.json --task sympy-mlm).
+
     OUT then holds a converted checkpoint that `bert-cluster evaluate OUT` scores. After Ctrl-C or a
     kill, the same command with --resume continues from the last checkpoint.
     """

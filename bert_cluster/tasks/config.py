@@ -23,8 +23,10 @@ from bert_cluster import environment
 from bert_cluster.errors import UserError, one_line
 
 #: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
-#: lines or a JSON list, the official SQuAD JSON, and the packaged retrieval JSON (paragraphs + questions).
-FILE_FORMATS = ("tsv", "csv", "parquet", "json", "jsonl", "squad-json", "retrieval-json")
+#: lines or a JSON list, the official SQuAD JSON, the packaged retrieval JSON (paragraphs + questions), and
+#: the ``.py`` source files of an installed Python package (``path``: its import name; ``version``: the
+#: version pinned, refused if another is installed), one row per file (``path``, ``text``).
+FILE_FORMATS = ("tsv", "csv", "parquet", "json", "jsonl", "squad-json", "retrieval-json", "package-source")
 
 _TOP_KEYS = {
     "name",
@@ -47,10 +49,11 @@ _DATA_KEYS = {"hub", "files"}
 _TRAIN_KEYS = {"hub", "files", "loss"}
 #: The losses a ``train:`` split may name (``bert-cluster finetune``): what the model's own head computes
 #: from the labels (classes, a regression score, a SQuAD answer span); a question against the articles
-#: (long-document retrieval: in-batch negatives, or also a bank of every training article).
-TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy", "contrastive", "contrastive-bank")
+#: (long-document retrieval: in-batch negatives, or also a bank of every training article); the masked
+#: tokens (masked-LM pretraining).
+TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy", "contrastive", "contrastive-bank", "masked-lm")
 _HUB_KEYS = {"path", "name", "split"}
-_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles"}
+_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles", "version"}
 
 
 def config_root() -> Path:
@@ -90,6 +93,7 @@ class LocalFile:
         articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` or
             ``retrieval-json`` file (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint
             was trained).
+        version: a ``package-source`` file's pinned package version.
     """
 
     path: str
@@ -100,6 +104,7 @@ class LocalFile:
     encoding: str = "utf-8-sig"
     packaged: bool = False
     articles: tuple[int, int] | None = None
+    version: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +256,14 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
             f"file, got {articles!r}",
         )
         articles = (articles[0], articles[1])
+    version = raw.get("version")
+    _require(
+        where,
+        version is None or (fmt == "package-source" and isinstance(version, str)),
+        f"version (a string) belongs to a package-source file, got {version!r}",
+    )
     return LocalFile(
+        version=version,
         path=raw["path"],
         format=fmt,
         header=raw.get("header", True),

@@ -71,14 +71,28 @@ def split_data(task: TaskConfig, split: str = "dev") -> DataSpec:
 def candidates(task: TaskConfig, folders: Sequence[Path], split: str = "dev") -> list[tuple[str, LocalFile]]:
     """Every path pattern looked at, in search order, with the file spec it belongs to."""
     files = split_data(task, split).files
+    installed = [spec for spec in files if spec.format == "package-source"]
     patterns = [
         (str(folder / prefix / spec.path), spec)
         for folder in folders
         for spec in files
-        if not spec.packaged
+        if not spec.packaged and spec not in installed
         for prefix in ("", "*")
     ]
-    return patterns + [(str(PACKAGE_DATA / spec.path), spec) for spec in files if spec.packaged]
+    packaged = [(str(PACKAGE_DATA / spec.path), spec) for spec in files if spec.packaged]
+    return patterns + packaged + [(_package_folder(spec.path), spec) for spec in installed]
+
+
+def _package_folder(name: str) -> str:
+    """The folder of the installed Python package ``name`` (a path that does not exist if it is not)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return locations[0] if locations else f"<package {name} is not installed>"
 
 
 def find_local(
@@ -88,7 +102,7 @@ def find_local(
     for pattern, spec in candidates(task, folders, split):
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for match in matches:
-            if os.path.isfile(match):
+            if os.path.isfile(match) or (spec.format == "package-source" and os.path.isdir(match)):
                 return Path(match), spec
     return None
 
@@ -184,6 +198,27 @@ def _retrieval_rows(path: Path, chosen: tuple[int, int] | None = None) -> list[d
     ]
 
 
+def _source_rows(folder: Path, spec: LocalFile) -> list[dict[str, Any]]:
+    """Every ``.py`` file of an installed package, one row each (``path`` inside the package, ``text``).
+
+    Raises:
+        UserError: another version of the package is installed than the task pins.
+    """
+    from importlib import metadata
+
+    if spec.version is not None:
+        installed = metadata.version(spec.path)
+        if installed != spec.version:
+            raise UserError(
+                f"the task reads {spec.path} {spec.version}'s source files; {installed} is installed "
+                f"(pip install {spec.path}=={spec.version})"
+            )
+    return [
+        {"path": str(file.relative_to(folder)), "text": file.read_text(encoding="utf-8", errors="replace")}
+        for file in sorted(folder.rglob("*.py"))
+    ]
+
+
 def _rename(task: TaskConfig, spec: LocalFile, rows: list[dict[str, Any]], names: list[str]) -> list[dict]:
     """Rows keyed by the task's fields; ``spec.columns`` maps a field to a column name or position."""
     mapping = {}
@@ -211,6 +246,8 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
             dataset = load_dataset("parquet", data_files=str(path), split="train")
         elif spec.format in ("json", "jsonl"):
             dataset = load_dataset("json", data_files=str(path), split="train")
+        elif spec.format == "package-source":
+            return _source_rows(path, spec)
         elif spec.format == "squad-json":
             data = load_dataset("json", data_files=str(path), field="data", split="train")
             return _squad_rows(data, path, spec.articles)

@@ -341,5 +341,6 @@ from bert_cluster.tasks.kinds import (  # noqa: E402, F401
     classification,
     embedding,
     long_retrieval,
+    masked_lm,
     squad,
 )
