@@ -292,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--task",
         default=TASK,
-        help="the recipe's task: a variant (other options.questions_per_article, train.loss "
-        "contrastive-bank for a bank of every training article as negatives) is a task file that includes "
-        "configs/tasks/long/squad_articles_train.yaml",
+        help="the recipe's task; its variants replace the former --negatives bank "
+        "(squad-articles-train-bank) and --questions-per-article 1 (squad-articles-train-one-question); "
+        "another is a task file that includes configs/tasks/long/squad_articles_train.yaml",
     )
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-epochs", type=float, default=100.0, help="a bound; the budgets stop training")
