@@ -172,19 +172,6 @@ def require_kernels(backend: str) -> None:
         pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
-def load_script(name: str):
-    """A module of scripts/ (the benchmarks and experiments), imported by name for its tests."""
-    import importlib
-    import sys
-
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(scripts)
-
-
 def kill_when_written(process, path: Path, timeout: float = 300.0) -> None:
     """``kill -9`` ``process`` once ``path`` exists (a checkpoint written); fail with its stderr if never."""
     import signal

@@ -219,18 +219,17 @@ def test_the_compiled_op_returns_the_layout_its_fake_promises(rows):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bert_cluster import attention
+    from bert_cluster.config import number_of
 
     torch.manual_seed(4)
     query, key, value = torch.randn(3, 2, 4, 40, 8).unbind(0)
     valid = torch.ones(2, 40, dtype=torch.bool)
     if rows in ("exact-padded", "mixed"):
         valid[1, 3:] = False  # 3 valid tokens: at most C, so exact attention
-    settings = attention._config_args(bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=0))
+    config = bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=0)
     if rows.startswith("exact"):
-        settings = attention._config_args(
-            bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=100)
-        )
-    args = (query, key, value, valid, *settings, 8**-0.5, 0, 0.0, 0)  # layer 0, no dropout
+        config = bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=100)
+    args = (query, key, value, valid, number_of(config), 8**-0.5, 0, 0.0, 0)  # layer 0, no dropout
     out = attention._clustered_attention_op(*args)
     with FakeTensorMode() as mode:
         fake = attention._clustered_attention_op(

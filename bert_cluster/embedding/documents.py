@@ -342,11 +342,6 @@ def _text_records(path: Path) -> Records:
     return records
 
 
-def read_text_lines(path: Path) -> Corpus:
-    """One document a line (LF or CRLF); ids are line numbers; a final newline ends the last line."""
-    return Input(str(path), _text_records(path), unique_ids=True).corpus()
-
-
 def _jsonl_records(path: Path, text_field: str | None, id_field: str | None) -> Records:
     """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
 
@@ -381,16 +376,6 @@ def _jsonl_records(path: Path, text_field: str | None, id_field: str | None) -> 
         _check_fields(list(columns), str(path), text_field, id_field)
 
     return records
-
-
-def read_jsonl(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
-    """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
-
-    Raises:
-        UserError: a line is not UTF-8, not JSON or not an object (file and line named), a field is not
-            among the objects' keys, or the file holds no object.
-    """
-    return Input(str(path), _jsonl_records(path, text_field, id_field), id_field is None).corpus()
 
 
 def _json_type(value: Any) -> str:
@@ -463,20 +448,6 @@ def _csv_records(path: Path, text_field: str | None, id_field: str | None) -> Re
             raise fields_error
 
     return records
-
-
-def read_csv(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
-    """A header, then one record a row; every cell is text (no NA parsing: ``NA``, ``null`` are text).
-
-    ``line`` is the line a record starts on (the header is line 1; quoted cells may span lines); an
-    empty id cell means no id (a problem, as in every format). A row with fewer cells than the header
-    lacks the rest.
-
-    Raises:
-        UserError: a line is not UTF-8, the CSV is malformed (an unclosed quote, text after a closing
-            quote, more cells than the header) or a field is not a column: file and line named.
-    """
-    return Input(str(path), _csv_records(path, text_field, id_field), id_field is None).corpus()
 
 
 def _dataset_records(dataset: Any, text_field: str, id_field: str | None) -> Records:

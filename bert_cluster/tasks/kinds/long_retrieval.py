@@ -212,6 +212,38 @@ def task_options(task: Any) -> dict[str, Any]:
     }
 
 
+def cut_articles(
+    rows: Iterable[Mapping[str, Any]], task: Any, max_length: int, what: str = "training"
+) -> Articles:
+    """The articles of a split's rows, each cut at ``max_length`` tokens' worth of characters.
+
+    ``CHARACTERS_PER_TOKEN`` per token, as training cuts them (before tokenising).
+
+    Raises:
+        UserError: the rows do not rebuild into articles.
+    """
+    try:
+        articles = articles_from_rows(rows, *task.text_fields)
+    except (KeyError, ValueError) as error:
+        raise UserError(f"task {task.name}: cannot rebuild the {what} articles ({one_line(error)})") from None
+    cut = [document[: CHARACTERS_PER_TOKEN * max_length] for document in articles.documents]
+    return dataclasses.replace(articles, documents=cut)
+
+
+def split_articles(
+    task: Any, split: str, max_length: int, data_dir: Sequence[str | Path] | None = None
+) -> Articles:
+    """A split's articles, cut as training cuts them: the recipe's data as a benchmark reads it.
+
+    ``split``: ``train`` (what ``finetune`` trains on) or ``dev`` (the held-out split it scores).
+
+    Raises:
+        UserError: the split's rows are missing or do not rebuild into articles.
+    """
+    what = "training" if split == "train" else "held-out"
+    return cut_articles(load_rows(task, data_dir, split=split).rows, task, max_length, what)
+
+
 def proxy_label(positions: int) -> str:
     """How every report names the untrained long-position proxy."""
     return f"an UNTRAINED proxy with positions copied to {positions:,} (p mod its original table)"
@@ -439,16 +471,11 @@ class LongRetrievalKind(_EmbeddingKind):
         """Rows of ``questions_per_article`` questions and their article (cut before tokenising)."""
         from datasets import Dataset
 
-        try:
-            articles = articles_from_rows(rows, *task.text_fields)
-        except (KeyError, ValueError) as error:
-            raise UserError(
-                f"task {task.name}: cannot rebuild the training articles ({one_line(error)})"
-            ) from None
         max_length = trained.max_length
-        cut = [document[: CHARACTERS_PER_TOKEN * max_length] for document in articles.documents]
+        articles = cut_articles(rows, task, max_length)
         pairs = [
-            (question, cut[gold]) for question, gold in zip(articles.questions, articles.gold, strict=True)
+            (question, articles.documents[gold])
+            for question, gold in zip(articles.questions, articles.gold, strict=True)
         ]
         made = article_rows(pairs, task_options(task)["questions_per_article"], trained.seed)
         trained.model.max_seq_length = max_length

@@ -6,7 +6,7 @@ unmodified and at every scoring C (hash seed 0) on the task's dev split (SQuAD: 
 held-out articles 25-48). The target: the clustered fine-tuning at C = 10 within ``--target`` points of
 the original checkpoint's unmodified score.
 
-    python scripts/finetune_recovery.py --models OUT --tasks rte --seeds 1 --data-dir ../shared/data \\
+    python -m benchmarks.finetune_recovery --models OUT --tasks rte --seeds 1 --data-dir ../shared/data \\
         --work /tmp/recovery --output recovery.json
 
 ``--models``: the folder ``../shared/models/build.py OUT`` wrote (minilm-l6-rte, -mrpc, -squad).
@@ -28,13 +28,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 import bert_cluster
+from benchmarks.harness import (
+    mean_std,
+    mean_std_plain,
+    runs,
+    signed,
+    table_lines,
+)
 from bert_cluster.finetuning import CHECKPOINTS, default_learning_rate, last_checkpoint
 from bert_cluster.reports import atomic_write, environment
 
@@ -261,6 +270,236 @@ def main(argv: list[str] | None = None) -> None:
                 print(task, seed, name, runs[name], flush=True)
                 save()
     print(json.dumps(document["tasks"], indent=2))
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+RECOVERY_METRICS = {"accuracy": "acc", "f1": "F1", "exact_match": "EM", "pearson": "Pearson"}
+
+
+#: The arms in the order shown: the adapted one, then its controls.
+RECOVERY_ARMS = {
+    "clustered": "{trained}, C = {c} in the loop",
+    "exact": "control: {trained}, exact",
+    "exact-dropout": "control: {trained}, exact, dropout on",
+}
+
+
+def hashed(scores: dict, column: str, metric: str) -> list[float]:
+    """A column's score under each hash seed: ``C=10`` (hash seed 0 alone) or ``C=10 seed=S`` for each S."""
+    if column in scores:
+        return [scores[column][metric]]
+    return [value[metric] for key, value in scores.items() if key.startswith(f"{column} seed=")]
+
+
+def target_cell(cell: str, values: list[float], floor: float) -> str:
+    """``cell`` bold where the mean of ``values`` meets ``floor``, else ", missed"; with several seeds, how
+    many of them meet it."""
+    met = statistics.mean(values) >= floor
+    marked = f"**{cell}**" if met else f"{cell}, missed"
+    if len(values) < 2:
+        return marked
+    return f"{marked} ({sum(value >= floor for value in values)}/{len(values)} seeds)"
+
+
+def recovery_table(results: list[dict], headline: Sequence[str] = ()) -> list[str]:
+    """Per task and metric: the checkpoint, the fine-tuning with clustered attention in the loop and its
+    controls (the same fine-tuning with exact attention; ``exact-dropout`` with the student's dropout on),
+    each scored unmodified and at each C; over seeds the mean ± sample std (a seed's score: the mean over
+    its hash seeds). The target, the training C within ``target`` points of the checkpoint's unmodified
+    score, is marked in every row where it holds (bold), the checkpoint's and the controls' included; a
+    paired row per control gives the clustered run minus that control, seed by seed. ``headline``: show
+    only each task's first metric found in it (default every metric)."""
+    settings = results[0]["settings"]
+    train_c, target = settings["train_clusters"], settings["target"]
+    distill = settings.get("distill", 0.0)  # results files from before the option: 0
+    trained = "distilled" if distill == 1 else "fine-tuned"
+    columns = ["unmodified", *(f"C={c}" for c in settings["score_clusters"])]
+    trained_column = f"C={train_c}"
+    score_seeds = {tuple(result["settings"].get("score_seeds", [0])) for result in results}
+    several_hashes = any(len(seeds) > 1 for seeds in score_seeds)
+    arms_found = [arm for arm in RECOVERY_ARMS if any(arm in seed for seed in all_recovery_seeds(results))]
+    moved = any("displacement" in run for seed in all_recovery_seeds(results) for run in seed.values())
+    rows = []
+    unreverted = paired = False
+
+    def extra(hash_spread: str, displacement: str) -> list[str]:
+        return [hash_spread] * several_hashes + [displacement] * moved
+
+    for result in results:
+        for task, entry in result["tasks"].items():
+            original = entry["original"]["scores"]
+            seeds = list(entry["seeds"].values())
+            found = [metric for metric in headline if metric in original["unmodified"]][:1]
+            for metric in found or original["unmodified"]:
+                base = original["unmodified"][metric]
+                label = RECOVERY_METRICS.get(metric, metric)
+                row = [task, label, "checkpoint"]
+                for column in columns:
+                    value = statistics.mean(hashed(original, column, metric))
+                    cell = f"{value:.2f}" + ("" if column == "unmodified" else f" ({value - base:+.2f})")
+                    row.append(
+                        target_cell(cell, [value], base - target) if column == trained_column else cell
+                    )
+                spread = hashed(original, trained_column, metric)
+                rows.append(row + extra(f"{statistics.stdev(spread):.2f}" if len(spread) > 1 else "", "0"))
+                # Each seed's score per arm and column (the mean over its hash seeds); None: not scored.
+                per_seed: dict[str, dict[str, list[float | None]]] = {}
+                for arm in arms_found:
+                    done = [seed[arm] for seed in seeds if arm in seed]  # a run in parts: some arms to come
+                    if not done:
+                        continue
+                    name = RECOVERY_ARMS[arm].format(trained=trained, c=train_c)
+                    row = [task, label, f"{name} ({runs(len(done)).replace('run', 'seed')})"]
+                    per_seed[arm] = {}
+                    for column in columns:
+                        per_seed[arm][column] = [
+                            recovery_score(seed.get(arm), arm, column, metric) for seed in seeds
+                        ]  # aligned with the seeds, for the paired rows
+                        scored = [value for value in per_seed[arm][column] if value is not None]
+                        if len(scored) < len(done):
+                            unreverted = True
+                        if not scored:
+                            row.append("–")
+                            continue
+                        mean = statistics.mean(scored)
+                        spread = f" ± {statistics.stdev(scored):.2f}" if len(scored) > 1 else ""
+                        cell = f"{mean:.2f}{spread} ({mean - base:+.2f})"
+                        row.append(
+                            target_cell(cell, scored, base - target) if column == trained_column else cell
+                        )
+                    hash_spreads = [
+                        statistics.stdev(values)
+                        for run in done
+                        if len(values := hashed(run["scores"], trained_column, metric)) > 1
+                    ]
+                    distances = [run["displacement"]["all"] for run in done if "displacement" in run]
+                    rows.append(
+                        row
+                        + extra(
+                            f"{statistics.mean(hash_spreads):.2f}" if hash_spreads else "",
+                            mean_std_plain(distances) if distances else "–",
+                        )
+                    )
+                for control in (arm for arm in arms_found if arm != "clustered"):
+                    if "clustered" not in per_seed or control not in per_seed:
+                        continue
+                    paired = True
+                    row = [task, label, f"paired: C = {train_c} in the loop − {control}, per seed"]
+                    for column in columns:
+                        pairs = zip(per_seed["clustered"][column], per_seed[control][column], strict=True)
+                        differences = [a - b for a, b in pairs if a is not None and b is not None]
+                        each = ", ".join(signed(value) for value in differences)
+                        row.append(f"{mean_std(differences)} ({each})" if differences else "–")
+                    rows.append(row + extra("", ""))
+    header = ["task", "metric", "model", "unmodified", *(f"C = {c}" for c in settings["score_clusters"])]
+    header += [f"hash seeds' std, C = {train_c}"] * several_hashes + ["weights moved (L2)"] * moved
+    schedule = (
+        f"{settings['epochs']:g} epoch" + ("s" if settings["epochs"] != 1 else "")
+        if settings.get("epochs")
+        else f"{settings['max_steps']} steps"
+    )
+    rate = settings.get("learning_rate") or "5e-4"
+    per_task = ", ".join(
+        f"{task} {arms[0]['steps']} steps at max length {result['settings']['max_length']}"
+        for result in results
+        for task, entry in result["tasks"].items()
+        if (arms := [arm for seed in entry["seeds"].values() for arm in seed.values()])
+    )
+    # A run in parts may have run each part on another machine: name them all, and the dates.
+    machines = [e for result in results for e in (result["environment"], *result.get("parts", []))]
+    cpus = "; ".join(
+        dict.fromkeys(f"{e['hardware']['cpu']}, {e['hardware']['torch_threads']} threads" for e in machines)
+    )
+    dates = sorted({e["date"][:10] for e in machines})
+    seeds_asked = max(
+        max(result["settings"].get("seeds", 0), *(len(entry["seeds"]) for entry in result["tasks"].values()))
+        for result in results
+    )
+    seed_text = "seed 0" if seeds_asked == 1 else f"seeds 0-{seeds_asked - 1}"
+    hashes = "; ".join(
+        "hash seed 0"
+        if seeds == (0,)
+        else f"hash seeds {', '.join(map(str, seeds))} (a seed's score: their mean)"
+        for seeds in sorted(score_seeds)
+    )
+    caption = (
+        f"Scores on each task's dev split (SQuAD: held-out articles 25-48), i-clustered+, {hashes}; "
+        "change against the checkpoint's unmodified score in brackets. Fine-tuning: LoRA (rank 16, every "
+        f"encoder Linear) and the task head, {schedule} ({per_task}), batch {settings['batch_size']}, "
+        f"learning rate {rate}, {seed_text}; target: C = {train_c} within {target:g} of the "
+        f"checkpoint's unmodified score, marked in every row where it holds (bold: the mean meets it; "
+        f"k/n: the seeds that do). {cpus}; {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}."
+    )
+    if paired:
+        caption += (
+            f" Paired: the C = {train_c} arm minus the control, seed by seed, mean ± sample std (each "
+            "seed's difference in brackets)."
+        )
+    if moved:
+        caption += (
+            " Weights moved: the L2 norm of the change of every weight from the checkpoint (LoRA's merged "
+            "product and the head), mean ± std over seeds."
+        )
+    if distill > 0:
+        towards = (
+            "the distance to the checkpoint's own outputs alone (labels unused)"
+            if distill == 1
+            else f"the task loss and, at weight {distill:g}, the distance to the checkpoint's own outputs"
+        )
+        dropout = (
+            "no dropout in the teacher; in the student only in the control with dropout on"
+            if "exact-dropout" in arms_found
+            else "no dropout in either model"
+        )
+        caption += (
+            f" Loss: {towards}, the teacher the checkpoint with exact attention, KL at temperature "
+            f"{settings.get('distill_temperature', 1.0):g}, {dropout} (`--distill`)."
+        )
+    if any(recovery_partial(result) for result in results):
+        caption += (
+            " **Partial**: runs still to come; each row counts the seeds it holds of the "
+            f"{seeds_asked} asked."
+        )
+    if unreverted:
+        caption += " " + UNREVERTED
+    return table_lines(header, "lll" + "r" * (len(header) - 3), rows) + ["", caption]
+
+
+def recovery_score(run: dict | None, arm: str, column: str, metric: str) -> float | None:
+    """One seed's score in one arm and column, the mean over its hash seeds; None: not run or, for a
+    clustered arm's unmodified column scored before the revert fix, not known (``UNREVERTED``)."""
+    if run is None or (arm == "clustered" and column == "unmodified" and "notes" not in run):
+        return None
+    return statistics.mean(hashed(run["scores"], column, metric))
+
+
+def recovery_partial(result: dict) -> bool:
+    """A results file with runs to come: fewer seeds than asked, or a seed without an arm that was asked for
+    (``--arms``: the first part's) or that another seed has (a later part's)."""
+    asked = result["settings"].get("arms", ["clustered", "exact"])
+    for entry in result["tasks"].values():
+        seeds = list(entry["seeds"].values())
+        arms = set(asked).union(*seeds)
+        if len(seeds) < result["settings"].get("seeds", 0) or any(set(seed) != arms for seed in seeds):
+            return True
+    return False
+
+
+def all_recovery_seeds(results: list[dict]) -> list[dict]:
+    """Every seed's arms, over the files and their tasks."""
+    return [
+        seed for result in results for entry in result["tasks"].values() for seed in entry["seeds"].values()
+    ]
+
+
+#: Why a clustered arm's unmodified cell leaves out runs (or shows –): they were scored before evaluate
+#: reverted a checkpoint saved converted, so their "unmodified" score was the saved C = 10's.
+UNREVERTED = (
+    "Unmodified, clustered arm: only runs scored since 2026-12-05 (–: none); before, `evaluate` scored a "
+    'checkpoint saved converted with its saved settings as "unmodified", so those runs\' cell was the '
+    "C = 10 model's (their C = 10 and C = 25 cells are right)."
+)
 
 
 if __name__ == "__main__":

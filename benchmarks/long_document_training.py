@@ -22,10 +22,10 @@ verdicts: at every budget the clustered run scores at least the exact run's (R@1
 reaches the exact run's final R@1 within half the exact run's time. Writes JSON, a Markdown table and a
 plot (loss and R@1 against training time).
 
-    python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 \\
+    python -m benchmarks.long_document_training --budgets 300 600 1200 --seed 0 \\
         --output docs/results/long_document_training_xeon_amx/training.json
-    python scripts/long_document_training.py --budgets 60 120 --length 1024 --eval-every 4   # a short try
-    python scripts/long_document_training.py --plot-seeds training.json training_seed1.json ... \\
+    python -m benchmarks.long_document_training --budgets 60 120 --length 1024 --eval-every 4   # a short try
+    python -m benchmarks.long_document_training --plot-seeds training.json training_seed1.json ... \\
         --output docs/results/long_document_training_xeon_amx/seeds.png   # every seed in one figure
 """
 
@@ -34,21 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.harness import environment, load_average
 
-from bench_long_context import environment, load_average  # noqa: E402
-
-from bert_cluster.tasks.kinds.long_retrieval import (  # noqa: E402, F401 (the recipe's parts, named here as before)
-    CHARACTERS_PER_TOKEN,
-    article_retrieval_loss,
-    article_rows,
-)
-
-TRAIN_ARTICLES = 24  # articles 1-24 train, 25-48 are scored (the SQuAD checkpoint's split)
 VARIANTS = ("exact", "clustered")
 #: The task that holds the recipe (its train split, held-out split and loss).
 TASK = "squad-articles-train"
@@ -56,36 +46,24 @@ TASK = "squad-articles-train"
 HELD_OUT_QUESTIONS = 4874
 
 
-def load_articles():
-    """The 48 articles of SQuAD v1.1 dev and their questions (the package's retrieval file)."""
-    import gzip
+def split(task: str, eval_every: int, length: int) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The task's training pairs (question, its article cut at ``length`` tokens) and its held-out queries
+    (every ``eval_every``-th), corpus and gold, read as ``finetune`` reads them (the retrieval kind)."""
+    from bert_cluster.tasks import get_tasks
+    from bert_cluster.tasks.kinds.long_retrieval import split_articles
 
-    from bert_cluster.datafiles import PACKAGE_DATA
-    from bert_cluster.tasks.kinds.long_retrieval import articles_from_paragraphs
-
-    with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
-        document = json.load(handle)
-    return articles_from_paragraphs(document["paragraphs"], document["questions"])
-
-
-def split(articles, eval_every: int, length: int) -> tuple[list[tuple[str, str]], dict[str, Any]]:
-    """Training pairs (question, its article) of articles 1-24; the held-out queries, corpus and gold."""
-    documents = [document[: CHARACTERS_PER_TOKEN * length] for document in articles.documents]
+    (config,) = get_tasks(task)
+    training = split_articles(config, "train", length)
     pairs = [
-        (question, documents[gold])
-        for question, gold in zip(articles.questions, articles.gold, strict=True)
-        if gold < TRAIN_ARTICLES
+        (question, training.documents[gold])
+        for question, gold in zip(training.questions, training.gold, strict=True)
     ]
-    held_out = [
-        (qid, question, gold)
-        for qid, question, gold in zip(articles.question_ids, articles.questions, articles.gold, strict=True)
-        if gold >= TRAIN_ARTICLES
-    ][::eval_every]
-    corpus = {str(i): documents[i] for i in range(TRAIN_ARTICLES, len(documents))}
+    scored = split_articles(config, "dev", length)
+    held_out = list(zip(scored.question_ids, scored.questions, scored.gold, strict=True))[::eval_every]
     return pairs, {
         "queries": {qid: question for qid, question, _ in held_out},
-        "corpus": corpus,
-        "relevant": {qid: {str(gold)} for qid, _, gold in held_out},
+        "corpus": dict(zip(scored.titles, scored.documents, strict=True)),
+        "relevant": {qid: {scored.titles[gold]} for qid, _, gold in held_out},
     }
 
 
@@ -97,15 +75,6 @@ def proxy_folder(folder: str | None, cache: str | None) -> str:
     from bert_cluster.tasks.proxy import long_position_proxy
 
     return str(long_position_proxy(default_model_path(), 16384, cache=cache))
-
-
-def build_model(folder: str | None, cache: str | None, attention_dropout: float):
-    """The proxy as a SentenceTransformer (mean pooling, normalised), with the attention dropout both runs
-    train with (``long_document_fidelity.py`` scores it)."""
-    from sentence_transformers import SentenceTransformer
-
-    config = {"attention_probs_dropout_prob": attention_dropout}
-    return SentenceTransformer(proxy_folder(folder, cache), device="cpu", config_kwargs=config)
 
 
 def run_variant(variant: str, args) -> dict[str, Any]:
@@ -388,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     from bert_cluster.environment import cpu_name
 
     torch.set_num_threads(args.threads)
-    pairs, held_out = split(load_articles(), args.eval_every, args.length)
+    pairs, held_out = split(args.task, args.eval_every, args.length)
     print(f"{len(pairs)} training pairs, about {len(held_out['queries'])} held-out questions, "
           f"{len(held_out['corpus'])} held-out articles; budgets {args.budgets} s")  # fmt: skip
     load_before = load_average()
