@@ -2,9 +2,9 @@
 
 docs/development.md draws the same picture. A module may import its own layer and the layers below it;
 ``tasks`` (the task configs, their data and kinds) is the base both ``evaluation`` and ``finetuning``
-drive; a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``) imports no other feature;
-no module imports a private name (``_x``) of another unit; only the shell imports the package's facade
-(``bert_cluster``). Task YAML is read in ``tasks`` alone.
+drive; a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``, ``serve``) imports no
+other feature; no module imports a private name (``_x``) of another unit; only the shell imports the
+package's facade (``bert_cluster``). Task YAML is read in ``tasks`` alone.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
     "tasks": ("tasks",),
-    "features": ("evaluation", "embedding", "inspection", "finetuning"),
+    "features": ("evaluation", "embedding", "inspection", "finetuning", "serve"),
     "shell": ("render", "cli", "__main__"),
 }
 #: The public API module (``bert_cluster/__init__.py``): it sits on the core and reaches the features
@@ -255,9 +255,14 @@ def private_reaches(source: str) -> list[str]:
 
 
 def python_files() -> list[Path]:
-    """Every Python file of the checkout: the package, benchmarks, scripts, tests, setup.py."""
-    skipped = {".venv", ".venv-cuda", ".venv-peers", ".venv-gpusw", "build", ".git"}
-    return sorted(path for path in REPO.rglob("*.py") if not skipped & set(path.relative_to(REPO).parts[:1]))
+    """Every Python file of the checkout: the package, benchmarks, scripts, tests, setup.py (not a virtual
+    environment's: ``.venv``, ``.venv-peers``, ``.venv-infinity``, ...)."""
+
+    def ours(path: Path) -> bool:
+        top = path.relative_to(REPO).parts[0]
+        return not top.startswith(".venv") and top not in ("build", ".git")
+
+    return sorted(path for path in REPO.rglob("*.py") if ours(path))
 
 
 def test_benchmarks_use_only_the_packages_public_names():
