@@ -15,10 +15,10 @@ from torch.nn import functional
 
 import bert_cluster
 from bert_cluster.cli import app
-from bert_cluster.evaluation.tasks import get_tasks
 from bert_cluster.finetuning import _teacher, finetune
 from bert_cluster.finetuning.distillation import distillation_loss
 from bert_cluster.hf import ATTENTION_NAME
+from bert_cluster.tasks.config import get_tasks
 
 
 def logits(**values):

@@ -20,9 +20,9 @@ from bert_cluster.checkpoints import max_positions
 from bert_cluster.datafiles import PACKAGE_DATA
 from bert_cluster.errors import UserError
 from bert_cluster.evaluation import default_run, load_tasks
-from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, get_kind
-from bert_cluster.evaluation.kinds import long_retrieval as L
-from bert_cluster.evaluation.proxy import long_position_proxy
+from bert_cluster.tasks.kinds import Examples, LoadedModel, ScoreSettings, get_kind
+from bert_cluster.tasks.kinds import long_retrieval as L
+from bert_cluster.tasks.proxy import long_position_proxy
 
 PACKAGED = PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz"
 
@@ -194,7 +194,7 @@ def test_bad_task_options_are_one_clear_error(options, message):
 def test_unknown_metric_names_are_refused():
     import dataclasses
 
-    from bert_cluster.evaluation.tasks import MetricSpec
+    from bert_cluster.tasks.config import MetricSpec
 
     task = dataclasses.replace(_task(), metrics=(MetricSpec("recall@1", "R@1"), MetricSpec("hits@3", "H")))
     with pytest.raises(UserError, match=r"unknown metric\(s\) \['hits@3'\]"):
@@ -233,7 +233,7 @@ def _whitespace_tokenizer(vectors):
 def _hand_made_score(vectors, articles, metrics=None, **settings):
     import dataclasses
 
-    from bert_cluster.evaluation.tasks import MetricSpec
+    from bert_cluster.tasks.config import MetricSpec
 
     task = _task()
     if metrics is not None:

@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bert_cluster.evaluation.kinds import ScoreSettings
-from bert_cluster.evaluation.kinds.squad import SQUAD, Window, decode_answers, make_windows
-from bert_cluster.evaluation.metrics import squad_scores
-from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.tasks.config import get_tasks
+from bert_cluster.tasks.kinds import ScoreSettings
+from bert_cluster.tasks.kinds.squad import SQUAD, Window, decode_answers, make_windows
+from bert_cluster.tasks.metrics import squad_scores
 
 
 def oracle_logits(window: Window, context: str, answer: str | None, answer_start: int | None):
@@ -53,7 +53,7 @@ def oracle_scores(tokenizer, rows, version_2, max_length, stride):
 def test_oracle_logits_give_full_marks(shared_dir, minilm_dir, version_2):
     from transformers import AutoTokenizer
 
-    from bert_cluster.evaluation.data import load_rows
+    from bert_cluster.tasks.data import load_rows
 
     rows = load_rows(get_tasks("squad_v2" if version_2 else "squad")[0], shared_dir / "data" / "squad").rows
     # Questions whose first gold answer fits the length rule, from several articles; short windows so
