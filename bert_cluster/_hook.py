@@ -1,9 +1,10 @@
 """Deferred registration, so that a converted checkpoint reloads after ``import bert_cluster``.
 
-A checkpoint saved after ``convert`` has ``attn_implementation: bert_cluster`` in its config.json, and
-transformers rejects an implementation name nobody registered. Registering at import would mean
-importing transformers (seconds) for every ``import bert_cluster``; instead this hook waits until
-``transformers.modeling_utils`` is loaded by whoever needs it, then registers (two dict insertions).
+A checkpoint saved after ``convert`` has ``attn_implementation: bert_cluster (import bert_cluster before
+from_pretrained)`` in its config.json (``hf.ATTENTION_NAME``), and transformers rejects an implementation
+name nobody registered, quoting it. Registering at import would mean importing transformers (seconds)
+for every ``import bert_cluster``; instead this hook waits until ``transformers.modeling_utils`` is
+loaded by whoever needs it, then registers (a few dict insertions).
 """
 
 from __future__ import annotations

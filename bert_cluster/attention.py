@@ -12,17 +12,29 @@ hash planes are cached on the device they are used on.
 
 from __future__ import annotations
 
+import collections.abc
+import contextlib
 import dataclasses
 import functools
 import math
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from bert_cluster import environment
-from bert_cluster.config import AUTO, ClusteredAttentionConfig
+from bert_cluster.config import (
+    AUTO,
+    ClusteredAttentionConfig,
+    RowSettings,
+    check_config,
+    config_of,
+    number_of,
+)
+
+if TYPE_CHECKING:  # the backends import the ops, which `import bert_cluster` must not load
+    from bert_cluster.dispatch import Backend
 
 _GOLDEN = 0x9E3779B97F4A7C15  # mixes (seed, layer) into distinct generator seeds
 
@@ -57,6 +69,28 @@ def hash_planes(
     cached on each device they are used on.
     """
     return _device_planes(seed, layer, bits, head_dim, torch.device(device))
+
+
+#: What runs in place of the paper's steps (``replaced_steps``); None: the steps themselves.
+_replacement: Any = None
+
+
+@contextlib.contextmanager
+def replaced_steps(steps: Any) -> collections.abc.Iterator[None]:
+    """Within the block, every clustered row runs ``steps`` in place of the paper's steps: a research hook.
+
+    ``steps(backend, query, key, value, valid, config, clusters, topk, scaling, layer)`` gets what the
+    steps get (rows longer than ``clusters``, the chosen backend, the row's C and k, the layer) and returns
+    the attention output; short rows still run exact attention. For the whole process, not one thread;
+    inference only (attention dropout is refused). ``benchmarks.fidelity_screen`` screens candidate steps
+    through it.
+    """
+    global _replacement
+    before, _replacement = _replacement, steps
+    try:
+        yield
+    finally:
+        _replacement = before
 
 
 def _check_inputs(query, key, value, valid, name: str) -> None:
@@ -119,7 +153,7 @@ def clustered_attention(
         On the CPU the result is usually a view of ``(R, N, H, Dv)`` memory, as CPU SDPA's is (the layout
         transformers takes attention's output in): ``.contiguous()`` gives ``(R, H, N, Dv)`` memory.
     """
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "clustered_attention")
     _check_inputs(query, key, value, valid, "clustered_attention")
     rows, _, length, head_dim = query.shape
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
@@ -131,9 +165,8 @@ def clustered_attention(
         # One opaque op for torch.compile: the routing below is data-dependent (a graph break otherwise).
         if valid is None:
             valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
-        return _clustered_attention_op(
-            query, key, value, valid, *_config_args(config), scaling, layer, dropout, seed
-        )
+        number = number_of(config)  # the op takes the config as its number (config.number_of)
+        return _clustered_attention_op(query, key, value, valid, number, scaling, layer, dropout, seed)
     return _route(query, key, value, valid, config, scaling, layer, dropout, seed)
 
 
@@ -168,7 +201,7 @@ def _part_seed(seed: int, part: int) -> int:
 class _Plan:
     """Which backend and which rows go where, decided once per (valid mask, settings, shapes)."""
 
-    backend: Any  # a dispatch.Backend
+    backend: Backend
     short: list[int]  # rows for exact attention
     short_lengths: list[int]  # their valid lengths
     short_prefix: bool  # every short row's valid tokens are a prefix (right padding or none)
@@ -190,16 +223,18 @@ _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 16
 
 
-def _plan(query, key, value, valid, config, scaling) -> _Plan:
+def _plan(query, key, value, valid, config, scaling, dropout=0.0) -> _Plan:
     """The routing plan, from a cache keyed on the very ``valid`` tensor (and its in-place version).
 
-    Everything the backend choice reads is in the key (devices, dtypes, whether autograd records, the
-    backend environment variables), so each layer of a forward pass reuses the first layer's plan.
+    Everything the backend choice reads is in the key (devices, dtypes, whether autograd records, whether
+    attention dropout is asked, the backend environment variables), so each layer of a forward pass reuses
+    the first layer's plan.
     """
     rows, heads, length, head_dim = query.shape
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     variables = environment.backend_key()
-    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, variables)
+    facts = (rows, length, heads, head_dim, value.shape[-1], query.dtype, query.device, records, dropout > 0)
+    facts += (variables,)
     # Inference tensors carry no version counter: a mask edited in place under inference_mode keeps
     # its plan (transformers builds a new mask tensor for every forward pass).
     version = None if valid is None or valid.is_inference() else valid._version
@@ -210,7 +245,7 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     cached = _PLANS.get(cache_key)
     if cached is not None and (cached[0] is None or cached[0]() is valid):
         return cached[1]
-    plan = _make_plan(query, key, value, valid, config, scaling)
+    plan = _make_plan(query, key, value, valid, config, scaling, dropout)
     with _PLANS_LOCK:
         _PLANS[cache_key] = (None if valid is None else weakref.ref(valid), plan)
         while len(_PLANS) > _PLANS_KEPT:
@@ -218,10 +253,10 @@ def _plan(query, key, value, valid, config, scaling) -> _Plan:
     return plan
 
 
-def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
+def _make_plan(query, key, value, valid, config, scaling, dropout) -> _Plan:
     from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
 
-    backend = dispatch.select_backend(config.backend, query, key, value)
+    backend = dispatch.select_backend(config.backend, query, key, value, dropout=dropout)
     rows, _, length, _ = query.shape
     if valid is None:
         lengths, prefix = [length] * rows, [True] * rows
@@ -232,7 +267,7 @@ def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
         facts = torch.stack([count, is_prefix.long()]).tolist()
         lengths, prefix = facts[0], [bool(p) for p in facts[1]]
     settings = [config.row_settings(n) for n in lengths]
-    long_rows = [r for r in range(rows) if lengths[r] > settings[r][0]]
+    long_rows = [r for r in range(rows) if lengths[r] > settings[r].clusters]
     min_length = config.min_length
     if min_length == AUTO:
         min_length = 0
@@ -243,7 +278,7 @@ def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
     long_rows = [r for r in long_rows if lengths[r] >= min_length]
     clustered = set(long_rows)
     short = [r for r in range(rows) if r not in clustered]
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[RowSettings, list[int]] = {}
     for r in long_rows:
         groups.setdefault(settings[r], []).append(r)
     return _Plan(
@@ -259,7 +294,7 @@ def _make_plan(query, key, value, valid, config, scaling) -> _Plan:
 
 def _route(query, key, value, valid, config, scaling, layer, dropout=0.0, seed=0) -> torch.Tensor:
     """Short rows to SDPA, the rest through the paper's steps on the chosen backend, per row settings."""
-    plan = _plan(query, key, value, valid, config, scaling)
+    plan = _plan(query, key, value, valid, config, scaling, dropout)
     backend = plan.backend
     rows, _, length, _ = query.shape
 
@@ -386,49 +421,27 @@ def windowed_attention(
 
     Same layout and padding rules as ``clustered_attention``; O(N * window) on every backend
     (``reference.banded_attention`` and the ``banded_attention`` op), where SDPA under a band mask costs N^2.
-    ``dropout`` (training) drops the band's weights (``banded_attention_dropout``: the CPU kernels draw
-    the reference's masks from the call's seed).
+    ``dropout`` (training) drops the band's weights (the CPU kernels draw the reference's masks from the
+    call's seed).
     """
     from bert_cluster import dispatch
 
     dropout = _check_dropout(dropout)
-    config = config or ClusteredAttentionConfig()
+    config = check_config(config, "windowed_attention")
     _check_inputs(query, key, value, valid, "windowed_attention")
     rows, _, length, head_dim = query.shape
     if valid is None:
         valid = torch.ones(rows, length, dtype=torch.bool, device=query.device)
     scaling = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
-    backend = dispatch.select_backend(config.backend, query, key, value)
-    if dropout:
-        out = backend.banded_attention_dropout(
-            query, key, value, valid, int(window), scaling, dropout, dropout_seed()
-        )
-        return out.to(query.dtype)
-    return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
+    backend = dispatch.select_backend(config.backend, query, key, value, dropout=dropout)
+    if not dropout:
+        return backend.banded_attention(query, key, value, valid, int(window), scaling).to(query.dtype)
+    q, k, v = _widened_for_dropout(backend, query, key, value)
+    out = backend.banded_attention(q, k, v, valid, int(window), scaling, dropout, dropout_seed())
+    return out.to(query.dtype)
 
 
 # --- torch.compile: the whole routing as one opaque op -------------------------------------------------
-
-_CONFIG_FIELDS = (
-    "clusters",
-    "topk",
-    "bits",
-    "iterations",
-    "mode",
-    "min_length",
-    "cluster_growth",
-    "topk_growth",
-    "seed",
-    "backend",
-)
-
-
-def _config_args(config: ClusteredAttentionConfig) -> tuple:
-    # min_length is an int or "auto": passed as a string (an op argument has one type).
-    return tuple(
-        str(getattr(config, name)) if name == "min_length" else getattr(config, name)
-        for name in _CONFIG_FIELDS
-    )
 
 
 @torch.library.custom_op("bert_cluster::clustered_attention", mutates_args=())
@@ -437,16 +450,7 @@ def _clustered_attention_op(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor,
-    clusters: int,
-    topk: int,
-    bits: int,
-    iterations: int,
-    mode: str,
-    min_length: str,
-    cluster_growth: float,
-    topk_growth: float,
-    seed: int,
-    backend: str,
+    config: int,
     scaling: float,
     layer: int,
     dropout: float,
@@ -454,16 +458,14 @@ def _clustered_attention_op(
 ) -> torch.Tensor:
     """``clustered_attention`` as one opaque op, which is what torch.compile sees.
 
-    Defined at import (a Python op: no library is loaded) because dynamo cannot trace its definition.
-    Its backward (registered below) is another opaque op, so a compiled training step works too.
+    ``config``: the settings' number (``config.number_of``: an op takes numbers, not objects), which gives
+    a config object back as it is (no dict, nothing built anew). Defined at import (a Python op: no library
+    is loaded) because dynamo cannot trace its definition. Its backward (registered below) is another
+    opaque op, so a compiled training step works too.
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
-    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
-    if settings["min_length"] != AUTO:
-        settings["min_length"] = int(settings["min_length"])
-    config = ClusteredAttentionConfig(**settings)
+    settings = config_of(config)
     return _transformers_layout(
-        _route(query, key, value, valid, config, scaling, layer, dropout, dropout_seed)
+        _route(query, key, value, valid, settings, scaling, layer, dropout, dropout_seed)
     )
 
 
@@ -491,16 +493,7 @@ def _clustered_attention_backward_op(
     key: torch.Tensor,
     value: torch.Tensor,
     valid: torch.Tensor,
-    clusters: int,
-    topk: int,
-    bits: int,
-    iterations: int,
-    mode: str,
-    min_length: str,
-    cluster_growth: float,
-    topk_growth: float,
-    seed: int,
-    backend: str,
+    config: int,
     scaling: float,
     layer: int,
     dropout: float,
@@ -512,17 +505,13 @@ def _clustered_attention_backward_op(
     training step recomputes the attention in its backward, as gradient checkpointing would (with the
     forward's dropout masks: they come from ``dropout_seed``).
     """
-    values = (clusters, topk, bits, iterations, mode, min_length, cluster_growth, topk_growth, seed, backend)
-    settings = dict(zip(_CONFIG_FIELDS, values, strict=True))
-    if settings["min_length"] != AUTO:
-        settings["min_length"] = int(settings["min_length"])
-    config = ClusteredAttentionConfig(**settings)
     from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
 
+    settings = config_of(config)
     # The recomputed forward's steps record autograd, whose registered backwards then give the gradient.
     with ops.autograd_inside_an_op():
         leaves = [t.detach().requires_grad_() for t in (query, key, value)]
-        out = _route(*leaves, valid, config, scaling, layer, dropout, dropout_seed)
+        out = _route(*leaves, valid, settings, scaling, layer, dropout, dropout_seed)
         grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True))
 
@@ -550,21 +539,24 @@ _clustered_attention_op.register_autograd(_attention_backward, setup_context=_sa
 
 
 def _clustered(
-    backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
+    backend: Backend, query, key, value, valid, config, clusters, topk, scaling, layer, dropout=0.0, seed=0
 ) -> torch.Tensor:
     """The paper's steps on rows that are all longer than ``clusters``: float32 output.
 
     A backend with a ``clustered_heads`` op (the CPU kernels) runs them all in one call, with the same
     result as the steps one by one (``composed_heads``). With attention dropout, ``dropped``.
     """
+    if _replacement is not None:
+        if dropout:
+            raise ValueError("steps replaced by attention.replaced_steps run without attention dropout")
+        return _replacement(backend, query, key, value, valid, config, clusters, topk, scaling, layer)
     planes, offsets, *settings = step_arguments(config, clusters, topk, scaling, layer, query)
     if dropout:
         return dropped(backend, query, key, value, valid, planes, offsets, *settings, dropout, seed)
-    fused = getattr(backend, "clustered_heads", None)
     records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if not records:
-        if fused is not None:
-            return fused(query, key, value, valid, planes, offsets, *settings)
+        if backend.clustered_heads is not None:
+            return backend.clustered_heads(query, key, value, valid, planes, offsets, *settings)
         return _composed(backend, query, key, value, valid, planes, offsets, *settings)
     if backend.name == "reference":  # the oracle: autograd through its functions
         return _composed(backend, query, key, value, valid, planes, offsets, *settings)
@@ -583,15 +575,16 @@ class _StepsWithBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, keys, values, valid, backend, planes, offsets, *settings):
-        fused = getattr(backend, "clustered_heads_partition", None)
+        settings = StepSettings(*settings)
+        fused = backend.clustered_heads_partition
         if fused is not None:
             out, *kept = fused(queries, keys, values, valid, planes, offsets, *settings)
         else:
             p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-            out = _refined(backend, queries, keys, values, valid, p, settings[3], settings[5])
+            out = refined(backend, queries, keys, values, valid, p, settings)
             kept = [p.assignments, p.centroids, p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values]
         ctx.save_for_backward(queries, keys, values, valid, *kept)
-        ctx.mode, ctx.scaling = settings[3], settings[5]
+        ctx.settings = settings
         return out
 
     @staticmethod
@@ -599,10 +592,37 @@ class _StepsWithBackward(torch.autograd.Function):
         from bert_cluster import ops  # lazy: keeps `import bert_cluster` free of kernel loading
 
         saved = ctx.saved_tensors
-        found = ops.clustered_steps_backward(grad_out, *saved, ctx.mode, ctx.scaling)
+        found = ops.clustered_steps_backward(grad_out, *saved, ctx.settings.mode, ctx.settings.scaling)
         needed = ctx.needs_input_grad
         grads = [grad.to(saved[i].dtype) if needed[i] else None for i, grad in enumerate(found)]
         return (*grads, *([None] * (len(needed) - 3)))
+
+
+class StepSettings(NamedTuple):
+    """The settings of the steps of one call: the arguments after the tensors of ``clustered_heads``.
+
+    In the op's order, so ``*settings`` passes them on; ``clusters`` and ``topk`` are the row settings
+    (``ClusteredAttentionConfig.row_settings``), ``lloyd_rounds`` mode "i-clustered+"'s.
+    """
+
+    clusters: int
+    topk: int
+    iterations: int
+    mode: str
+    lloyd_rounds: int
+    scaling: float
+
+    @property
+    def computes(self) -> Any:
+        """What the mode computes (a ``steps.Mode``)."""
+        return _computes(self.mode)
+
+
+def _computes(mode: str) -> Any:
+    """What ``mode`` computes: its row of ``steps.MODES``."""
+    from bert_cluster import steps  # lazy: `import bert_cluster` stays as lean as it is
+
+    return steps.MODES[mode]
 
 
 def step_arguments(
@@ -613,14 +633,14 @@ def step_arguments(
     layer: int,
     query: torch.Tensor,
 ) -> tuple:
-    """``(planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling)``: the steps' settings.
+    """``(planes, offsets, *StepSettings)``: the arguments after the tensors of ``clustered_heads``.
 
-    The arguments after the tensors of ``clustered_heads`` / ``partition`` for rows of ``query``'s head
-    dim and device, with the row settings ``clusters`` and ``topk`` (``config.row_settings``).
+    For rows of ``query``'s head dim and device, with the row settings ``clusters`` and ``topk``
+    (``config.row_settings``).
     """
     planes, offsets = hash_planes(config.seed, layer, config.bits, query.shape[-1], query.device)
-    rounds = plus_lloyd_rounds(clusters) if config.mode == "i-clustered+" else 0
-    return planes, offsets, clusters, topk, config.iterations, config.mode, rounds, scaling
+    rounds = plus_lloyd_rounds(clusters) if _computes(config.mode).lloyd else 0
+    return planes, offsets, *StepSettings(clusters, topk, config.iterations, config.mode, rounds, scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -628,7 +648,7 @@ class Partition:
     """What the steps before the last one give: the clusters, their attention and their top-k keys.
 
     ``assignments`` ``(R, H, N)``, ``centroids`` ``(R, H, C, Dk)``, ``counts`` ``(R, H, C)``, then
-    ``centroid_attention``'s four outputs (``topk_indices`` ``(R, H, C, k)``, k = 0 in mode clustered).
+    ``centroid_attention``'s four outputs (``topk_indices`` ``(R, H, C, k)``, k = 0 without top-k).
     """
 
     assignments: torch.Tensor
@@ -641,7 +661,7 @@ class Partition:
 
 
 def partition(
-    backend: Any,
+    backend: Backend,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -656,67 +676,82 @@ def partition(
     scaling: float,
 ) -> Partition:
     """The steps of ``mode`` up to the centroids' attention, on ``backend`` (what inspection measures)."""
+    computes = StepSettings(clusters, topk, iterations, mode, lloyd_rounds, scaling).computes
     hashes = backend.hash_queries(queries, planes, offsets)
     assignments, _ = backend.hamming_kmeans(hashes, valid, clusters, iterations, planes.shape[0])
-    if mode == "i-clustered+":
+    if computes.lloyd:
         assignments, centroids, counts = backend.lloyd_refine(queries, assignments, clusters, lloyd_rounds)
     else:
         centroids, counts = backend.group_queries(queries, assignments, clusters)
     attended = backend.centroid_attention(
-        centroids, keys, values, valid, 0 if mode == "clustered" else topk, scaling
+        centroids, keys, values, valid, topk if computes.uses_topk else 0, scaling
     )
     return Partition(assignments, centroids, counts, *attended)
 
 
-def _composed(backend, queries, keys, values, valid, planes, offsets, *settings) -> torch.Tensor:
+def _composed(backend: Backend, queries, keys, values, valid, planes, offsets, *settings) -> torch.Tensor:
     """The steps one by one on ``backend``, as the ``clustered_heads`` op runs them fused."""
-    clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    return _refined(backend, queries, keys, values, valid, p, mode, scaling)
+    return refined(backend, queries, keys, values, valid, p, StepSettings(*settings))
 
 
-def _refined(backend, queries, keys, values, valid, p: Partition, mode: str, scaling: float) -> torch.Tensor:
-    """The last step of ``mode``: each query's output from its cluster's row (and its top-k keys)."""
-    if mode == "clustered":
+def refined(
+    backend: Backend,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    p: Partition,
+    settings: StepSettings,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The mode's last step: each query's output from its cluster's row (and its top-k keys).
+
+    With ``dropout``, ``p.centroid_values`` are the centroids' dropped rows outside the top-k
+    (``centroid_rest``) and ``p.topk_values`` zeros (``dropped``).
+    """
+    computes = settings.computes
+    if not computes.uses_topk:
         return backend.broadcast_clusters(p.centroid_values, p.assignments)
-    if mode == "i-clustered+":
+    if computes.query_mass:
         return backend.refine_with_query_mass(
-            queries, keys, values, valid, p.assignments, p.centroids,
-            p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values, scaling,
+            queries, keys, values, valid, p.assignments, p.centroids, p.centroid_values, p.topk_indices,
+            p.topk_mass, p.topk_values, settings.scaling, dropout, seed,
         )  # fmt: skip
     return backend.topk_refine(
-        queries, keys, values, p.assignments, p.centroid_values, p.topk_indices, p.topk_mass,
-        p.topk_values, scaling,
+        queries, keys, values, p.assignments, p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values,
+        settings.scaling, dropout, seed,
     )  # fmt: skip
 
 
-def dropped(backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout) -> torch.Tensor:
+def _widened_for_dropout(backend: Backend, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The CPU kernels' dropout reads float32 contiguous rows: widened once per call, not once per step."""
+    return tensors if backend.name != "cpu" else tuple(t.float().contiguous() for t in tensors)
+
+
+def dropped(
+    backend: Backend, queries, keys, values, valid, planes, offsets, *settings_and_dropout
+) -> torch.Tensor:
     """The steps with attention dropout (training), every step on ``backend``.
 
     The clusters and their top-k keys are chosen as without dropout. The centroids' attention over the
     other keys is dropped per (centroid, key) (``centroid_rest``, one C x N pass per head) and each query's
-    top-k weights per (query, key) (``topk_refine_dropout``, ``refine_with_query_mass_dropout``): on the
-    CPU kernels, with the reference's masks drawn in place from the seed (their backward draws them
-    again); elsewhere the reference, through autograd.
+    top-k weights per (query, key) (the refinement with ``dropout`` and ``seed``): on the CPU kernels, with
+    the reference's masks drawn in place from the seed (their backward draws them again); elsewhere the
+    reference, through autograd.
     """
     *settings, dropout, seed = settings_and_dropout
-    clusters, topk, iterations, mode, lloyd_rounds, scaling = settings
+    settings = StepSettings(*settings)
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    if backend.name == "cpu":  # the dropout kernels read float32 rows: widened once, not once per step
-        queries, keys, values = (t.float().contiguous() for t in (queries, keys, values))
+    queries, keys, values = _widened_for_dropout(backend, queries, keys, values)
+    scaling = settings.scaling
     rest = backend.centroid_rest(p.centroids, keys, values, valid, p.topk_indices, scaling, dropout, seed)
-    if mode == "clustered":
+    # The top-k part is left out of ``rest`` already.
+    p = dataclasses.replace(p, centroid_values=rest, topk_values=torch.zeros_like(rest))
+    if not settings.computes.uses_topk:
         return backend.broadcast_clusters(rest, p.assignments)
-    nothing = torch.zeros_like(rest)  # the top-k part already left out of ``rest``
-    if mode == "i-clustered+":
-        return backend.refine_with_query_mass_dropout(
-            queries, keys, values, valid, p.assignments, p.centroids, rest, p.topk_indices,
-            p.topk_mass, nothing, scaling, dropout, seed,
-        )  # fmt: skip
-    return backend.topk_refine_dropout(
-        queries, keys, values, p.assignments, rest, p.topk_indices, p.topk_mass, nothing, scaling,
-        dropout, seed,
-    )  # fmt: skip
+    return refined(backend, queries, keys, values, valid, p, settings, dropout, seed)
 
 
 def composed_heads(
@@ -739,7 +774,7 @@ def composed_heads(
     """
     from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
 
-    settings = (clusters, topk, iterations, mode, lloyd_rounds, scaling)
+    settings = StepSettings(clusters, topk, iterations, mode, lloyd_rounds, scaling)
     return _composed(dispatch.ReferenceBackend(), queries, keys, values, valid, planes, offsets, *settings)
 
 
@@ -756,7 +791,7 @@ def composed_heads_partition(
     mode: str,
     lloyd_rounds: int,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference of ``clustered_heads_partition``: ``composed_heads``' output and the partition it used.
 
     Same arguments as ``clustered_heads``; ``(out, assignments, centroids, centroid_values, topk_indices,
@@ -765,9 +800,9 @@ def composed_heads_partition(
     from bert_cluster import dispatch  # lazy: keeps `import bert_cluster` free of kernel loading
 
     backend = dispatch.ReferenceBackend()
-    settings = (clusters, topk, iterations, mode, lloyd_rounds, scaling)
+    settings = StepSettings(clusters, topk, iterations, mode, lloyd_rounds, scaling)
     p = partition(backend, queries, keys, values, valid, planes, offsets, *settings)
-    out = _refined(backend, queries, keys, values, valid, p, mode, scaling)
+    out = refined(backend, queries, keys, values, valid, p, settings)
     return out, p.assignments, p.centroids, p.centroid_values, p.topk_indices, p.topk_mass, p.topk_values
 
 

@@ -43,6 +43,37 @@ def check_model_path(model: str | Path) -> str:
     return text
 
 
+def check_apart(model: str | Path, output: str | Path) -> None:
+    """Refuse an output folder that is, holds or lies inside a local model's folder, ``--overwrite`` or not.
+
+    Paths are compared resolved (symlinks followed), so no spelling of the model's folder gets past;
+    writing there would replace or mix with the model's own files. A hub id has no folder here.
+
+    Raises:
+        UserError: naming both folders.
+    """
+    spec = str(model).strip()
+    try:
+        local = Path(resolve_model(spec) if spec.startswith(PACKAGE_PREFIX) else spec).expanduser()
+    except UserError:  # an unknown package: loading the model says so
+        return
+    if not local.exists():
+        return
+    source, target = local.resolve(), Path(output).expanduser().resolve()
+    if target == source:
+        where = "is the model folder"
+    elif source in target.parents:
+        where = f"lies inside the model folder {source}"
+    elif target in source.parents:
+        where = f"holds the model folder {source}"
+    else:
+        return
+    raise UserError(
+        f"output {output} {where} of {model}: its files would be replaced or mixed with the run's; give an "
+        "output folder apart from the model (--overwrite does not change this)"
+    )
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence transformers' and sentence-transformers' load reports (the checks here say what matters)."""
@@ -258,6 +289,7 @@ def convert_checkpoint(
     from bert_cluster.reports import check_output
 
     source = check_model_path(model)
+    check_apart(source, output)
     output = check_output(output, overwrite)
     try:
         with quiet():

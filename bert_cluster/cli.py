@@ -478,7 +478,7 @@ def embed(
     # Skipped documents and re-embedded shards are never hidden, -q or not (they are not progress).
     for problem in result.problems:
         stderr.print(
-            f"skipped {problem.id} (line {problem.line}): {problem.reason}",
+            f"skipped {problem.id or 'a record'} (line {problem.line}): {problem.reason}",
             markup=False,
             highlight=False,
             soft_wrap=True,
@@ -687,11 +687,12 @@ def finetune(
     lora: Annotated[
         bool,
         typer.Option(
-            "--lora/--full",
+            "--lora",
             help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
-            "extra of bert-cluster, or pip install peft), or every weight.",
+            "extra of bert-cluster, or pip install peft); the default.",
         ),
-    ] = True,
+    ] = False,
+    full: Annotated[bool, typer.Option("--full", help="Train every weight instead of LoRA.")] = False,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = 16,
     lora_alpha: Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha.")] = 32,
     epochs: Annotated[
@@ -757,6 +758,8 @@ def finetune(
 
         reporter = progress_reporter(stderr)
     with user_errors():
+        if lora and full:
+            raise UserError("give --lora (the default) or --full (every weight), not both")
         config = None
         if exact:
             given = [name for name, value in (("--clusters", clusters), ("--mode", mode)) if value]
@@ -775,7 +778,7 @@ def finetune(
                 output,
                 attention=config,
                 exact=exact,
-                lora=lora,
+                lora=not full,
                 lora_rank=lora_rank,
                 lora_alpha=lora_alpha,
                 epochs=epochs,
@@ -803,13 +806,18 @@ def finetune(
             )
             stderr.print(f"interrupted: {where}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(130) from None
+    for name, why in result.skipped_checkpoints.items():  # never hidden, -q or not
+        stderr.print(f"skipped {name}: it is damaged ({why})", markup=False, highlight=False, soft_wrap=True)
+    if result.already_finished:
+        stderr.print(f"{result.output} holds a finished run: nothing changed", markup=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
     last = result.loss_curve[-1]["loss"] if result.loss_curve else float("nan")
     stdout.print(
-        f"saved {result.output} ({result.steps} steps, last loss {last:.4f}); "
-        f"score it with: bert-cluster evaluate {result.output} --task {result.settings['task']}",
+        f"{'finished already:' if result.already_finished else 'saved'} {result.output} ({result.steps} "
+        f"steps, last loss {last:.4f}); score it with: bert-cluster evaluate {result.output} --task "
+        f"{result.settings['task']}",
         highlight=False,
         soft_wrap=True,
     )

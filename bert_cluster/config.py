@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Bumped whenever the meaning of a field changes, so old results.json files stay interpretable.
 #: 2: cluster_growth and topk_growth (version-1 dicts load with both 0, what they meant); min_length "auto".
@@ -56,6 +57,32 @@ def check_int(name: str, value: Any, low: int, high: int, also: str = "") -> Non
     if value < low:
         raise ValueError(f"{name} must be >= {low}{also}, got {value}")
     raise ValueError(f"{name} must be <= {high}{also}, got {value}")
+
+
+def check_config(config: Any, function: str) -> ClusteredAttentionConfig:
+    """``config`` as a function's settings argument: a ``ClusteredAttentionConfig``, or None (the defaults).
+
+    Raises:
+        TypeError: anything else, naming what was given and how to build a config from a mapping.
+    """
+    if config is None:
+        return ClusteredAttentionConfig()
+    if isinstance(config, ClusteredAttentionConfig):
+        return config
+    hint = ""
+    if isinstance(config, Mapping):
+        hint = ": build one with ClusteredAttentionConfig(**settings) or ClusteredAttentionConfig.from_dict()"
+    raise TypeError(
+        f"{function}: config must be a ClusteredAttentionConfig or None (the defaults), "
+        f"got a {type(config).__name__}{hint}"
+    )
+
+
+class RowSettings(NamedTuple):
+    """The cluster count C and top-k of a row of a given valid length (``config.row_settings``)."""
+
+    clusters: int
+    topk: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +161,7 @@ class ClusteredAttentionConfig:
                     raise TypeError(f"layers must hold ints, got {index!r}")
             # Frozen: normalise lists to a sorted tuple without duplicates.
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+        self._intern()
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: attention's plan cache looks the config up on every call."""
@@ -144,8 +172,20 @@ class ClusteredAttentionConfig:
         return cached
 
     def __getstate__(self) -> dict[str, Any]:
-        """The fields without the cached hash (string hashes differ between processes)."""
-        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+        """The fields without the cached hash and number (both differ between processes)."""
+        return {name: value for name, value in self.__dict__.items() if name not in ("_hash", "_number")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._intern()
+
+    def _intern(self) -> None:
+        settings = tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+        with _NUMBERS_LOCK:
+            number = _NUMBERS.setdefault(settings, len(_NUMBERS))
+            if number == len(_BY_NUMBER):
+                _BY_NUMBER.append(self)
+        object.__setattr__(self, "_number", number)
 
     @classmethod
     def for_convert(cls, **changes: Any) -> ClusteredAttentionConfig:
@@ -169,13 +209,14 @@ class ClusteredAttentionConfig:
         check_setting_names(changes)
         return cls(**{**EVALUATION_SETTINGS, **changes})
 
-    def row_settings(self, length: int) -> tuple[int, int]:
+    def row_settings(self, length: int) -> RowSettings:
         """``(clusters, topk)`` for a row of ``length`` valid tokens (see ``cluster_growth``)."""
         if length <= GROWTH_START:
-            return self.clusters, self.topk
+            return RowSettings(self.clusters, self.topk)
         ratio = length / GROWTH_START
         clusters = round(self.clusters * ratio**self.cluster_growth)
-        return min(MAX_COUNT, clusters), min(MAX_COUNT, round(self.topk * ratio**self.topk_growth))
+        topk = round(self.topk * ratio**self.topk_growth)
+        return RowSettings(min(MAX_COUNT, clusters), min(MAX_COUNT, topk))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``version`` key, as stored in ``model.config`` and results.json."""
@@ -209,3 +250,25 @@ class ClusteredAttentionConfig:
     def replace(self, **changes: Any) -> ClusteredAttentionConfig:
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
+
+
+def number_of(config: ClusteredAttentionConfig) -> int:
+    """``config``'s number in this process, the same for equal settings (``config_of`` gives it back).
+
+    A custom op takes numbers, not objects: torch.compile's op of a whole attention call
+    (``attention.clustered_attention``) takes the config as its number, so that the op's body gets a config
+    object as it is (the first of its settings), neither a dict nor one built anew from fields.
+    """
+    return config.__dict__["_number"]
+
+
+def config_of(number: int) -> ClusteredAttentionConfig:
+    """The config whose number is ``number`` (``number_of``; the first of equal ones)."""
+    return _BY_NUMBER[number]
+
+
+#: The settings of every distinct config of this process and its number (``number_of``): a handful in a
+#: run (the tuner's grid at most tens).
+_NUMBERS: dict[tuple, int] = {}
+_BY_NUMBER: list[ClusteredAttentionConfig] = []
+_NUMBERS_LOCK = threading.Lock()

@@ -85,6 +85,16 @@ def cache_dir() -> Path:
     return environment.cache_dir()
 
 
+def stored() -> dict[str, int]:
+    """The crossovers stored in this machine's cache file, by what each was measured for (its facts as JSON).
+
+    What a benchmark of ``min_length="auto"`` records beside its timings; a file that cannot be read, or
+    an entry without a valid figure, counts as none.
+    """
+    stored = _read(cache_dir() / CACHE_FILE)
+    return {name: found for name in stored if (found := _cached(stored, name)) is not None}
+
+
 def facts(backend: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, config) -> dict:
     """What the crossover depends on: the cache key."""
     from bert_cluster import ops

@@ -3,9 +3,10 @@
 transformers 5.x looks attention up by name (``AttentionInterface``) and builds the mask with the
 function registered under the same name (``AttentionMaskInterface``); without a mask function a new
 attention receives ``attention_mask=None`` and padding is silently ignored. We register both under
-``ATTENTION_NAME``. The settings live in ``model.config.clustered_attention`` (a plain dict, saved by
-``save_pretrained``), and ``model.config.attn_implementation`` makes ``from_pretrained`` select this
-implementation again; see ``bert_cluster._hook`` for how that works without registering at import.
+``ATTENTION_NAME``. The settings live in ``model.config.clustered_attention`` (a dict that
+``save_pretrained`` saves, holding the config object the attention function reads: ``StoredSettings``),
+and ``model.config.attn_implementation`` makes ``from_pretrained`` select this implementation again; see
+``bert_cluster._hook`` for how that works without registering at import.
 
 Which models qualify is read from the model itself: a text encoder (fed ``input_ids``) whose attention
 modules look their implementation up in ``ALL_ATTENTION_FUNCTIONS`` and are not causal. Global layers run
@@ -29,7 +30,12 @@ import torch
 from bert_cluster.attention import clustered_attention, windowed_attention
 from bert_cluster.config import ClusteredAttentionConfig, check_setting_names
 
-ATTENTION_NAME = "bert_cluster"  # no "flash" (would import FlashAttention), no "/" (would mean a Hub kernel)
+#: The implementation's name, which a converted checkpoint's config.json saves: transformers refuses it
+#: when bert_cluster was not imported, and its error quotes the name alone, so the name says what to do.
+#: No "flash" (would import FlashAttention), no "/" (would mean a Hub kernel).
+ATTENTION_NAME = "bert_cluster (import bert_cluster before from_pretrained)"
+#: The names earlier versions saved, registered too: their checkpoints load as before.
+EARLIER_NAMES = ("bert_cluster",)
 SETTINGS_KEY = "clustered_attention"
 
 #: model_type values covered by the test suite (tests/families.py imports these lists); any other family
@@ -78,8 +84,9 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, key_padding_mask)
+    for name in (ATTENTION_NAME, *EARLIER_NAMES):
+        AttentionInterface.register(name, attention_forward)
+        AttentionMaskInterface.register(name, key_padding_mask)
     _registered = True
 
 
@@ -115,51 +122,104 @@ def key_padding_mask(
 # --- settings and layer indices ----------------------------------------------------------------------
 
 
+class StoredSettings(dict):
+    """``model.config.clustered_attention``: the settings as ``save_pretrained`` saves them, and their object.
+
+    The dict is the config's ``to_dict()`` with ``original_attn_implementation`` (what ``revert`` restores);
+    ``convert`` stores it holding the very ``ClusteredAttentionConfig`` it was given, and the attention
+    function reads that object (``settings_of``): no parse and no dict on the forward. A checkpoint reloaded
+    by ``from_pretrained`` holds a plain dict, parsed once on its first forward; a setting changed in place
+    (``config.clustered_attention["clusters"] = 6``) is parsed on the next forward. A copy of it (deepcopy,
+    pickle) is a plain dict, parsed again when it is used.
+    """
+
+    _parsed: tuple[ClusteredAttentionConfig, str] | None = None
+
+    @classmethod
+    def of(cls, config: ClusteredAttentionConfig, original: str) -> StoredSettings:
+        """The settings of ``config`` on a model whose own attention implementation is ``original``."""
+        stored = cls({**config.to_dict(), "original_attn_implementation": original})
+        stored._parsed = (config, original)
+        return stored
+
+    def parsed(self) -> tuple[ClusteredAttentionConfig, str]:
+        """The config object and the original implementation (parsed only after an edit)."""
+        return self._parse() if self._parsed is None else self._parsed
+
+    @torch.compiler.disable
+    def _parse(self) -> tuple[ClusteredAttentionConfig, str]:
+        settings = dict(self)
+        original = settings.pop("original_attn_implementation", "sdpa")
+        try:
+            self._parsed = (ClusteredAttentionConfig.from_dict(settings), original)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"config.{SETTINGS_KEY} is invalid: {error}") from error
+        return self._parsed
+
+    def _edited(self) -> None:
+        self._parsed = None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._edited()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self._edited()
+
+    def __ior__(self, other: Any) -> StoredSettings:
+        self.update(other)
+        return self
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update``, then parsed on the next forward."""
+        super().update(*args, **kwargs)
+        self._edited()
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        """``dict.setdefault``, then parsed on the next forward."""
+        self._edited()
+        return super().setdefault(key, default)
+
+    def pop(self, *args: Any) -> Any:
+        """``dict.pop``, then parsed on the next forward."""
+        self._edited()
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, Any]:
+        """``dict.popitem``, then parsed on the next forward."""
+        self._edited()
+        return super().popitem()
+
+    def clear(self) -> None:
+        """``dict.clear``, then parsed on the next forward."""
+        self._edited()
+        super().clear()
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self),)
+
+
 def settings_of(config: Any) -> tuple[ClusteredAttentionConfig, str]:
-    """The patch settings stored on a model config, read on every call (so in-place edits take effect)."""
+    """The patch settings of a model config: the config object ``convert`` stored, and the original."""
     stored = getattr(config, SETTINGS_KEY, None)
+    if type(stored) is not StoredSettings:
+        stored = _adopt(config, stored)
+    return stored.parsed()
+
+
+@torch.compiler.disable
+def _adopt(config: Any, stored: Any) -> StoredSettings:
+    """Give a reloaded checkpoint's plain dict of settings its object (it is parsed once, here)."""
     if not isinstance(stored, dict):
         raise ValueError(
             f"attn_implementation={ATTENTION_NAME!r} needs config.{SETTINGS_KEY}; "
             "use bert_cluster.convert(model)"
         )
-    # torch.compile (2.11) cannot trace id() of a dict: compiled code keys by value alone (traced once).
-    compiling = torch.compiler.is_compiling()
-    seen = None if compiling else _SEEN.get(id(stored))
-    if seen is not None and seen[0] is stored and seen[1] == stored:  # the same dict, unchanged
-        return seen[2]
-    content = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in stored.items()))
-    try:
-        parsed = _PARSED.get(content)  # keyed by value, never by identity
-    except TypeError:  # an unhashable value: parsing says what is wrong with it
-        return _parse_settings(stored)
-    if parsed is None:
-        parsed = _parse_settings(stored)
-        if len(_PARSED) >= 256:
-            _PARSED.clear()
-        _PARSED[content] = parsed
-    if compiling:
-        return parsed
-    if len(_SEEN) >= 256:
-        _SEEN.clear()
-    _SEEN[id(stored)] = (stored, copy.deepcopy(stored), parsed)
-    return parsed
-
-
-_PARSED: dict[tuple, tuple[ClusteredAttentionConfig, str]] = {}
-#: id(stored dict) -> (that dict, a copy of its content, its parse): every layer of every forward pass reads
-#: the same dict, and comparing it with the copy (so that in-place edits still take effect) costs less than
-#: building the content key.
-_SEEN: dict[int, tuple[dict, dict, tuple[ClusteredAttentionConfig, str]]] = {}
-
-
-def _parse_settings(stored: dict) -> tuple[ClusteredAttentionConfig, str]:
-    settings = dict(stored)
-    original = settings.pop("original_attn_implementation", "sdpa")
-    try:
-        return ClusteredAttentionConfig.from_dict(settings), original
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"config.{SETTINGS_KEY} is invalid: {error}") from error
+    adopted = StoredSettings(stored)
+    adopted.parsed()
+    setattr(config, SETTINGS_KEY, adopted)
+    return adopted
 
 
 def layer_indices(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, int]]:
@@ -480,9 +540,7 @@ def convert(model: Any, config: ClusteredAttentionConfig | None = None, **settin
     current = model.config._attn_implementation
     original = previous.get("original_attn_implementation", "sdpa") if isinstance(previous, dict) else current
     _own_config(model)
-    setattr(
-        model.config, SETTINGS_KEY, {**config.to_dict(), "original_attn_implementation": original or "sdpa"}
-    )
+    setattr(model.config, SETTINGS_KEY, StoredSettings.of(config, original or "sdpa"))
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         delattr(model.config, SETTINGS_KEY)

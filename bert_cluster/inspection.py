@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bert_cluster import attention, checkpoints, hf, reports
+from bert_cluster import attention, checkpoints, hf, reports, steps
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line
 from bert_cluster.reports import atomic_write, check_output, markdown_table, metadata_markdown
@@ -230,7 +230,7 @@ class Inspection:
                         )
             figure.colorbar(image, ax=axis, fraction=0.046, pad=0.04)
         c = self.config
-        detail = f"k={c.topk}, " if c.mode != "clustered" else ""
+        detail = f"k={c.topk}, " if steps.MODES[c.mode].uses_topk else ""
         figure.suptitle(
             f"{c.mode}, C={c.clusters}, {detail}seed {c.seed}: "
             f"{self.sequences} sequences, {self.tokens} tokens",
@@ -531,7 +531,7 @@ def inspect_model(
         config=config,
         sequences=sequences,
         tokens=tokens,
-        heads=totals.reports(with_mass=config.mode != "clustered"),
+        heads=totals.reports(with_mass=steps.MODES[config.mode].uses_topk),
         skipped_layers=sorted(skipped),
     )
 

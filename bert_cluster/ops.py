@@ -1,10 +1,11 @@
-"""The ``bert_cluster`` op schemas, their fake (meta) kernels and typed wrappers: the only C++ bridge.
+"""The ``bert_cluster`` ops, each declared once: the only C++ bridge.
 
-The schemas are defined here, in Python, from the table of steps (``bert_cluster.steps``), so that they
-exist (and ``torch.compile`` can trace them through the fake kernels) whether or not ``bert_cluster._C``
-was built. ``kernels/cpu/*.cpp`` and
-``kernels/cuda/*.cu`` only register implementations for these names. Each op has the name, argument
-order and output shapes of the matching function in ``bert_cluster.reference``.
+An op is declared by the reference function that defines it (``Op(reference.hash_queries)``): its schema
+is that function's signature, so the op has the oracle's name, arguments, defaults and outputs, and the
+``Op`` is its typed wrapper. Beside each declaration stand its fake (meta) kernel and, where it is
+differentiable, its autograd formula. The schemas exist (and ``torch.compile`` traces them through the
+fakes) whether or not ``bert_cluster._C`` was built; ``kernels/cpu/*.cpp`` and ``kernels/cuda/*.cu`` only
+register implementations for these names. ``bert_cluster.steps`` says which kernels compile each op.
 
 This module is imported lazily (by the kernel backends in ``bert_cluster.dispatch``), never by
 ``import bert_cluster``. Import order, with no circle: ``environment`` <- ``_loader`` (imports ``_C``)
@@ -14,96 +15,73 @@ This module is imported lazily (by the kernel backends in ``bert_cluster.dispatc
 from __future__ import annotations
 
 import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Generic, ParamSpec, TypeVar
 
 import torch
 
-from bert_cluster import _loader, steps
+from bert_cluster import _loader, reference, steps
 
 NAMESPACE = "bert_cluster"
 
-#: op name -> schema (arguments after the name) of the ops every kernel backend compiles (steps.py's table).
-SCHEMAS: dict[str, str] = {
-    step.name: step.schema for step in steps.STEPS if step.schema and step.compiled == steps.KERNEL_BACKENDS
-}
-#: op name -> schema of the ops ``_C`` implements for the CPU only.
-CPU_ONLY_SCHEMAS: dict[str, str] = {
-    step.name: step.schema for step in steps.STEPS if step.schema and step.compiled == ("cpu",)
-}
-
 _LIB = torch.library.Library(NAMESPACE, "DEF")
-for _step in steps.STEPS:
-    if _step.schema is not None:
-        _LIB.define(_step.name + _step.schema)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fake kernels: shapes and dtypes only (what torch.compile and opcheck trace with).
-
-
-@torch.library.register_fake(f"{NAMESPACE}::hash_queries")
-def _hash_queries_fake(queries, planes, offsets):
-    return queries.new_empty(queries.shape[:-1], dtype=torch.int64)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::hamming_kmeans")
-def _hamming_kmeans_fake(hashes, valid, clusters, iterations, bits):
-    rows, heads, _ = hashes.shape
-    return hashes.new_empty(hashes.shape, dtype=torch.int64), hashes.new_empty(
-        (rows, heads, clusters), dtype=torch.int64
-    )
-
-
-@torch.library.register_fake(f"{NAMESPACE}::group_queries")
-def _group_queries_fake(queries, assignments, clusters):
-    rows, heads, _, dk = queries.shape
-    return (
-        queries.new_empty((rows, heads, clusters, dk), dtype=torch.float32),
-        queries.new_empty((rows, heads, clusters), dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake(f"{NAMESPACE}::centroid_attention")
-def _centroid_attention_fake(centroids, keys, values, valid, topk, scaling):
-    rows, heads, clusters, _ = centroids.shape
-    dv = values.shape[-1]
-    k = torch.sym_min(topk, keys.shape[-2])
-    return (
-        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
-        centroids.new_empty((rows, heads, clusters, k), dtype=torch.int64),
-        centroids.new_empty((rows, heads, clusters), dtype=torch.float32),
-        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake(f"{NAMESPACE}::topk_refine")
-def _topk_refine_fake(
-    queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
-):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::broadcast_clusters")
-def _broadcast_clusters_fake(centroid_values, assignments):
-    return centroid_values.new_empty((*assignments.shape, centroid_values.shape[-1]))
-
-
-@torch.library.register_fake(f"{NAMESPACE}::banded_attention")
-def _banded_attention_fake(queries, keys, values, valid, window, scaling):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Typed wrappers (same signatures as bert_cluster.reference).
-
 _ops = getattr(torch.ops, NAMESPACE)
 _loaded = [False]  # whether _loader.load() ran: the CPU/CUDA implementations register when _C loads
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Op(Generic[P, R]):
+    """The op ``bert_cluster::<name>``, declared by the function that defines it.
+
+    Its schema is the function's signature, inferred by ``torch.library.infer_schema`` (ints are int64:
+    the kernels take ``int64_t`` and the fakes size their outputs with them, where a ``SymInt`` would make
+    ``torch.compile`` pass symbols). Calling it loads ``_C`` on first use and runs the dispatcher's kernel.
+
+    Args:
+        declaration: the step's reference function (``bert_cluster.steps`` names it; tests/test_steps.py
+            checks that the op has its signature), or a signature of its own where that function stands
+            above this module (the fused ops, composed in ``attention``).
+        name: the op's name when it is not the function's.
+        mutates: the arguments the op writes into.
+    """
+
+    def __init__(
+        self, declaration: Callable[P, R], *, name: str | None = None, mutates: tuple[str, ...] = ()
+    ) -> None:
+        self.__name__ = name or declaration.__name__
+        schema = torch.library.infer_schema(declaration, mutates_args=mutates).replace("SymInt", "int")
+        _LIB.define(self.__name__ + schema)
+        self.overload = getattr(_ops, self.__name__).default
+        self.__signature__ = inspect.signature(declaration)
+        self.__doc__ = (
+            f"``torch.ops.{NAMESPACE}.{self.__name__}``: see ``{steps.BY_NAME[self.__name__].reference}``."
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the op (the kernel of the inputs' device)."""
+        if not _loaded[0]:
+            load_kernels()
+        return self.overload(*args, **kwargs)
+
+    def register_fake(self, fake: Callable) -> Callable:
+        """Register ``fake`` (shapes and dtypes only) as the op's meta kernel; returns it."""
+        torch.library.register_fake(f"{NAMESPACE}::{self.__name__}", fake)
+        return fake
+
 
 def load_kernels() -> dict:
-    """Import ``bert_cluster._C`` (once, after the schemas above exist); the loader's state."""
+    """Import ``bert_cluster._C`` (once, after the schemas exist); the loader's state."""
     state = _loader.load(first_use=_build_cpu_kernels)
     _loaded[0] = True
     return state
+
+
+def _ensure_loaded() -> None:
+    if not _loaded[0]:
+        load_kernels()
 
 
 def _build_cpu_kernels() -> dict:
@@ -126,108 +104,86 @@ def missing_kernels(dispatch_key: str) -> list[str]:
     return list(cache[dispatch_key])
 
 
-def _ensure_loaded() -> None:
-    if not _loaded[0]:
-        load_kernels()
-
-
-def hash_queries(queries: torch.Tensor, planes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """See ``reference.hash_queries``: int64 ``(R, H, N)`` hashes."""
-    _ensure_loaded()
-    return _ops.hash_queries.default(queries, planes, offsets)
-
-
-def hamming_kmeans(
-    hashes: torch.Tensor, valid: torch.Tensor, clusters: int, iterations: int, bits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ``reference.hamming_kmeans``: assignments ``(R, H, N)`` and centroid hashes ``(R, H, C)``."""
-    _ensure_loaded()
-    return _ops.hamming_kmeans.default(hashes, valid, clusters, iterations, bits)
-
-
-def group_queries(
-    queries: torch.Tensor, assignments: torch.Tensor, clusters: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ``reference.group_queries``: float32 centroids ``(R, H, C, Dk)`` and counts ``(R, H, C)``."""
-    _ensure_loaded()
-    return _ops.group_queries.default(queries, assignments, clusters)
-
-
-def centroid_attention(
-    centroids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    topk: int,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See ``reference.centroid_attention``: ``(Vc, topk_indices, topk_mass, topk_values)``."""
-    _ensure_loaded()
-    return _ops.centroid_attention.default(centroids, keys, values, valid, topk, float(scaling))
-
-
-def topk_refine(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """See ``reference.topk_refine``: float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.topk_refine.default(
-        queries,
-        keys,
-        values,
-        assignments,
-        centroid_values,
-        topk_indices,
-        topk_mass,
-        topk_values,
-        float(scaling),
-    )
-
-
-def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
-    """See ``reference.broadcast_clusters``: ``(R, H, N, Dv)`` in ``centroid_values``' dtype."""
-    _ensure_loaded()
-    return _ops.broadcast_clusters.default(centroid_values, assignments)
-
-
-def banded_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-) -> torch.Tensor:
-    """See ``reference.banded_attention``: float32 ``(R, H, N, Dv)``, keys within ``window`` positions."""
-    _ensure_loaded()
-    return _ops.banded_attention.default(queries, keys, values, valid, window, float(scaling))
-
-
-OPS = tuple(SCHEMAS)
-#: The ops whose compiled implementation is still to come: the kernel backends run the reference for them
-#: and the kernel backends do not require them from ``_C``. Empty: kernels/ implements every op.
-PENDING_KERNELS: frozenset[str] = frozenset()
-#: The ops ``_C`` must register (per device) for a kernel backend to count as available.
-KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
-CPU_ONLY_OPS = tuple(CPU_ONLY_SCHEMAS)
+def _float32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(t, dtype=torch.float32) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------------
+# The steps (the paper's, then i-clustered+'s), each with its fake kernel.
+
+hash_queries = Op(reference.hash_queries)
+
+
+@hash_queries.register_fake
+def _(queries, planes, offsets):
+    return queries.new_empty(queries.shape[:-1], dtype=torch.int64)
+
+
+hamming_kmeans = Op(reference.hamming_kmeans)
+
+
+@hamming_kmeans.register_fake
+def _(hashes, valid, clusters, iterations, bits):
+    rows, heads, _ = hashes.shape
+    return hashes.new_empty(hashes.shape, dtype=torch.int64), hashes.new_empty(
+        (rows, heads, clusters), dtype=torch.int64
+    )
+
+
+group_queries = Op(reference.group_queries)
+
+
+@group_queries.register_fake
+def _(queries, assignments, clusters):
+    rows, heads, _, dk = queries.shape
+    return (
+        queries.new_empty((rows, heads, clusters, dk), dtype=torch.float32),
+        queries.new_empty((rows, heads, clusters), dtype=torch.float32),
+    )
+
+
+centroid_attention = Op(reference.centroid_attention)
+
+
+@centroid_attention.register_fake
+def _(centroids, keys, values, valid, topk, scaling):
+    rows, heads, clusters, _ = centroids.shape
+    dv = values.shape[-1]
+    k = torch.sym_min(topk, keys.shape[-2])
+    return (
+        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
+        centroids.new_empty((rows, heads, clusters, k), dtype=torch.int64),
+        centroids.new_empty((rows, heads, clusters), dtype=torch.float32),
+        centroids.new_empty((rows, heads, clusters, dv), dtype=torch.float32),
+    )
+
+
+def _query_rows(queries, values, *rest):
+    """The refinements' and the band's output: float32 ``(R, H, N, Dv)``."""
+    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
+
+
+topk_refine = Op(reference.topk_refine)
+topk_refine.register_fake(lambda queries, keys, values, *rest: _query_rows(queries, values))
+
+broadcast_clusters = Op(reference.broadcast_clusters)
+
+
+@broadcast_clusters.register_fake
+def _(centroid_values, assignments):
+    return centroid_values.new_empty((*assignments.shape, centroid_values.shape[-1]))
+
+
+banded_attention = Op(reference.banded_attention)
+banded_attention.register_fake(lambda queries, keys, values, *rest: _query_rows(queries, values))
+
 # i-clustered+ (issue 13; w4-fidelity): Lloyd rounds on the real query vectors, and refinement with each
-# query's own top-k mass. Fakes and wrappers. Compiled for the CPU and CUDA (kernels/cpu/lloyd.cpp,
-# query_mass.cpp; kernels/cuda/plus.cu), so in ``OPS``.
+# query's own top-k mass (kernels/cpu/lloyd.cpp, query_mass.cpp; kernels/cuda/plus.cu).
+lloyd_refine = Op(reference.lloyd_refine)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::lloyd_refine")
-def _lloyd_refine_fake(queries, assignments, clusters, iterations):
+@lloyd_refine.register_fake
+def _(queries, assignments, clusters, iterations):
     rows, heads, n, dk = queries.shape
     return (
         queries.new_empty((rows, heads, n), dtype=torch.int64),
@@ -236,276 +192,153 @@ def _lloyd_refine_fake(queries, assignments, clusters, iterations):
     )
 
 
-def lloyd_refine(
-    queries: torch.Tensor, assignments: torch.Tensor, clusters: int, iterations: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See ``reference.lloyd_refine``: assignments ``(R, H, N)``, centroids ``(R, H, C, Dk)``, counts."""
-    _ensure_loaded()
-    return _ops.lloyd_refine.default(queries, assignments, clusters, iterations)
+refine_with_query_mass = Op(reference.refine_with_query_mass)
+refine_with_query_mass.register_fake(lambda queries, keys, values, *rest: _query_rows(queries, values))
+
+# Attention dropout's own step (kernels/cpu/dropout.cpp): the centroids' attention over the keys outside
+# their top-k, dropped per (centroid, key).
+centroid_rest = Op(reference.centroid_rest)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass")
-def _refine_with_query_mass_fake(
-    queries,
-    keys,
-    values,
-    valid,
-    assignments,
-    centroids,
-    centroid_values,
-    topk_indices,
-    topk_mass,
-    topk_values,
-    scaling,
-):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-def refine_with_query_mass(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """See ``reference.refine_with_query_mass``: float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.refine_with_query_mass.default(
-        queries,
-        keys,
-        values,
-        valid,
-        assignments,
-        centroids,
-        centroid_values,
-        topk_indices,
-        topk_mass,
-        topk_values,
-        float(scaling),
-    )
+@centroid_rest.register_fake
+def _(centroids, keys, values, *rest):
+    return centroids.new_empty((*centroids.shape[:-1], values.shape[-1]), dtype=torch.float32)
 
 
 # Every step of one attention call as one op (kernels/cpu/pipeline.cpp): the steps above, run per (row, head)
-# in one parallel region, with their results bit for bit. attention.composed_heads composes the same steps
-# one by one on the backends that lack it.
+# in one parallel region, with their results bit for bit. Its reference, attention.composed_heads, composes
+# the same steps one by one (on the backends that lack the op too) and has this signature (test_steps.py).
+def _one_call(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+    planes: torch.Tensor, offsets: torch.Tensor, clusters: int, topk: int, iterations: int, mode: str,
+    lloyd_rounds: int, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """Hashing to refinement: float32 ``(R, H, N, Dv)``, a view of ``(R, N, H, Dv)`` memory.
+
+    The layout transformers takes attention's output in, so handing it over costs no copy.
+    """
 
 
-@torch.library.register_fake(f"{NAMESPACE}::clustered_heads")
-def _clustered_heads_fake(
-    queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling
-):
-    # The kernel writes (R, N, H, Dv) memory, transformers' layout, and returns it as an (R, H, N, Dv) view.
+clustered_heads = Op(_one_call, name="clustered_heads")
+
+
+@clustered_heads.register_fake
+def _(queries, keys, values, *settings):
     rows, heads, length = queries.shape[:-1]
     return queries.new_empty((rows, length, heads, values.shape[-1]), dtype=torch.float32).transpose(1, 2)
 
 
-def clustered_heads(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    planes: torch.Tensor,
-    offsets: torch.Tensor,
-    clusters: int,
-    topk: int,
-    iterations: int,
-    mode: str,
-    lloyd_rounds: int,
-    scaling: float,
-) -> torch.Tensor:
-    """Hashing to refinement in one op (see ``attention._clustered``): float32 ``(R, H, N, Dv)``.
+# The same and the partition it used (what a recording pass keeps for the backward); its reference is
+# attention.composed_heads_partition.
+def _one_call_partition(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+    planes: torch.Tensor, offsets: torch.Tensor, clusters: int, topk: int, iterations: int, mode: str,
+    lloyd_rounds: int, scaling: float,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:  # fmt: skip
+    """``(out, assignments, centroids, centroid_values, topk_indices, topk_mass, topk_values)``.
 
-    The result is a view of ``(R, N, H, Dv)`` memory (``.transpose(1, 2)`` of it is contiguous): the layout
-    transformers takes attention's output in, so handing it over costs no copy.
+    ``out`` as ``clustered_heads`` gives it, the rest as the separate steps do (``attention.Partition``).
     """
-    _ensure_loaded()
-    return _ops.clustered_heads.default(
-        queries,
-        keys,
-        values,
-        valid,
-        planes,
-        offsets,
-        int(clusters),
-        int(topk),
-        int(iterations),
-        mode,
-        int(lloyd_rounds),
-        float(scaling),
-    )
 
 
-@torch.library.register_fake(f"{NAMESPACE}::clustered_heads_partition")
-def _clustered_heads_partition_fake(
-    queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling
-):
+clustered_heads_partition = Op(_one_call_partition, name="clustered_heads_partition")
+
+
+@clustered_heads_partition.register_fake
+def _(queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode, lloyd_rounds, scaling):
     rows, heads, length, dk = queries.shape
-    dv, k = values.shape[-1], 0 if mode == "clustered" else min(topk, length)
+    dv, k = values.shape[-1], min(topk, length) if steps.MODES[mode].uses_topk else 0
     small = (rows, heads, clusters)
     return (
-        _clustered_heads_fake(queries, keys, values, valid, planes, offsets, clusters, topk, iterations, mode,
-                              lloyd_rounds, scaling),
+        queries.new_empty((rows, length, heads, dv), dtype=torch.float32).transpose(1, 2),
         queries.new_empty((rows, heads, length), dtype=torch.long),
         queries.new_empty((*small, dk), dtype=torch.float32),
         queries.new_empty((*small, dv), dtype=torch.float32),
         queries.new_empty((*small, k), dtype=torch.long),
         queries.new_empty(small, dtype=torch.float32),
         queries.new_empty((*small, dv), dtype=torch.float32),
-    )  # fmt: skip
-
-
-def clustered_heads_partition(*args) -> tuple[torch.Tensor, ...]:
-    """``clustered_heads`` and the partition it used (what a recording pass keeps for the backward).
-
-    ``(out, assignments, centroids, centroid_values, topk_indices, topk_mass, topk_values)``, the last six
-    as the separate steps give them (``attention.Partition``).
-    """
-    _ensure_loaded()
-    return _ops.clustered_heads_partition.default(*args)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
-# Backward (issue 38): the gradient of each differentiable op is the gradient of its reference function
-# given the discrete choices its forward made (assignments, top-k indices), which carry none; steps.py says
-# how each op's is computed (``Step.backward``). The refinements have backward ops (CPU kernels); for the
-# other steps the backward recomputes the step's smooth part in PyTorch (O(N * (C + k)) per head, never
-# N x N) and differentiates it. Hashing and K-means have integer outputs only.
+# The backward ops (issue 38): the kernels (kernels/cpu/backward.cpp, backward_steps.cpp, dropout.cpp;
+# kernels/cuda/backward.cu and plus.cu) where they are built, and elsewhere (a build without kernels,
+# another device) the gradient of the reference function, registered below as a composite. Gradients come
+# in float32 and contiguous (the autograd formulas below cast), except where a kernel reads its inputs'
+# rows in their dtype and layout (topk_refine_backward's queries, keys and values, as the forward).
+
+topk_refine_backward = Op(reference.topk_refine_backward)
 
 
-def _vjp(function, arguments: list, wanted: list[int], grads: tuple) -> list:
-    """Gradients of ``function(*arguments)`` with respect to ``arguments[i]`` for i in ``wanted``.
-
-    ``function`` returns a tuple aligned with ``grads`` (None where an output is integer); a None
-    gradient (an integer output, or an output nobody used) is skipped.
-    """
-    with torch.enable_grad():
-        leaves = list(arguments)
-        for i in wanted:
-            leaves[i] = arguments[i].detach().requires_grad_(True)
-        outputs = function(*leaves)
-        used = [
-            (out, grad)
-            for out, grad in zip(outputs, grads, strict=True)
-            if grad is not None and out is not None and out.requires_grad
-        ]
-        found = torch.autograd.grad(
-            [out for out, _ in used],
-            [leaves[i] for i in wanted],
-            [grad for _, grad in used],
-            allow_unused=True,
-        )
-    return [
-        torch.zeros_like(arguments[i]) if grad is None else grad
-        for i, grad in zip(wanted, found, strict=True)
-    ]
-
-
-def _register_backward(op: str, differentiable: tuple[int, ...], recompute, kept_outputs=()) -> None:
-    """Register the gradient of ``recompute(*inputs, *kept_outputs)`` as ``op``'s backward.
-
-    ``recompute`` takes the op's inputs followed by the forward's outputs named in ``kept_outputs`` (the
-    discrete choices), and returns a tuple aligned with the op's outputs (None for integer ones).
-    ``differentiable`` are the indices of the op's float inputs that can receive a gradient.
-    """
-
-    def setup_context(ctx, inputs, output):
-        outputs = output if isinstance(output, tuple) else (output,)
-        tensors = [t for t in inputs if isinstance(t, torch.Tensor)] + [outputs[i] for i in kept_outputs]
-        ctx.save_for_backward(*tensors)
-        ctx.constants = [None if isinstance(t, torch.Tensor) else t for t in inputs]
-
-    def backward(ctx, *grads):
-        tensors = iter(ctx.saved_tensors)
-        inputs = [next(tensors) if constant is None else constant for constant in ctx.constants]
-        arguments = inputs + list(tensors)
-        wanted = [i for i in differentiable if ctx.needs_input_grad[i]]
-        found = _vjp(
-            recompute,
-            arguments,
-            wanted,
-            tuple(g if g is not None and g.is_floating_point() else None for g in grads),
-        )
-        result: list = [None] * len(inputs)
-        for i, grad in zip(wanted, found, strict=True):
-            result[i] = grad
-        return tuple(result)
-
-    torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
-
-
-# The refinements' backward as ops: the kernels (kernels/cpu/backward.cpp, kernels/cuda/backward.cu and
-# plus.cu) where they are built, and elsewhere (a build without kernels, another device) the gradient of
-# the reference function, registered for every other device as a composite. Inputs float32 and contiguous
-# (the autograd formulas below cast), except topk_refine_backward's queries, keys and values: read in their
-# dtype and layout, as the forward.
-
-
-@torch.library.register_fake(f"{NAMESPACE}::topk_refine_backward")
-def _topk_refine_backward_fake(
-    grad_out, queries, keys, values, assignments, topk_indices, topk_mass, scaling
-):
+@topk_refine_backward.register_fake
+def _(grad_out, queries, keys, values, assignments, topk_indices, topk_mass, *rest):
     rows, heads, clusters, _ = topk_indices.shape
     centroid_grad = values.new_empty((rows, heads, clusters, values.shape[-1]))
     return (
-        torch.empty_like(queries, dtype=torch.float32),
-        torch.empty_like(keys, dtype=torch.float32),
-        torch.empty_like(values, dtype=torch.float32),
+        *_float32(queries, keys, values),
         centroid_grad,
         topk_mass.new_empty(topk_mass.shape),
         torch.empty_like(centroid_grad),
     )
 
 
-@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_backward")
-def _refine_with_query_mass_backward_fake(
-    grad_out, queries, keys, values, valid, assignments, centroids, *rest
-):
-    centroid_values, _, topk_mass, topk_values, _ = rest
-    return tuple(
-        torch.empty_like(t)
-        for t in (queries, keys, values, centroids, centroid_values, topk_mass, topk_values)
-    )
+refine_with_query_mass_backward = Op(reference.refine_with_query_mass_backward)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::centroid_attention_backward")
-def _centroid_attention_backward_fake(
-    grad_centroid_values,
-    grad_topk_mass,
-    grad_topk_values,
-    centroids,
-    keys,
-    values,
-    valid,
-    topk_indices,
-    scaling,
-):
+@refine_with_query_mass_backward.register_fake
+def _(grad_out, queries, keys, values, valid, assignments, centroids, centroid_values, indices, mass, *rest):
+    topv = rest[0]
+    return tuple(torch.empty_like(t) for t in (queries, keys, values, centroids, centroid_values, mass, topv))
+
+
+centroid_attention_backward = Op(reference.centroid_attention_backward)
+
+
+@centroid_attention_backward.register_fake
+def _(grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys, values, *rest):
     return torch.empty_like(centroids), torch.empty_like(keys), torch.empty_like(values)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::centroid_attention_backward_into")
-def _centroid_attention_backward_into_fake(grad_keys, grad_values, *rest):
-    return torch.empty_like(rest[3], dtype=torch.float32)
+# The same, adding the key and value gradients into its first two arguments; returns the centroids'.
+centroid_attention_backward_into = Op(
+    reference.centroid_attention_backward_into, mutates=("grad_keys", "grad_values")
+)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::group_queries_backward")
-def _group_queries_backward_fake(grad_centroids, queries, assignments):
-    return torch.empty_like(queries)
+@centroid_attention_backward_into.register_fake
+def _(grad_keys, grad_values, grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, *rest):
+    return torch.empty_like(centroids, dtype=torch.float32)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::broadcast_clusters_backward")
-def _broadcast_clusters_backward_fake(grad_out, centroid_values, assignments):
-    return torch.empty_like(centroid_values)
+group_queries_backward = Op(reference.group_queries_backward)
+group_queries_backward.register_fake(lambda grad_centroids, queries, assignments: torch.empty_like(queries))
 
+broadcast_clusters_backward = Op(reference.broadcast_clusters_backward)
+broadcast_clusters_backward.register_fake(
+    lambda grad_out, centroid_values, assignments: torch.empty_like(centroid_values)
+)
 
-@torch.library.register_fake(f"{NAMESPACE}::banded_attention_backward")
-def _banded_attention_backward_fake(grad_out, queries, keys, values, valid, window, scaling):
-    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (queries, keys, values))
+banded_attention_backward = Op(reference.banded_attention_backward)
+banded_attention_backward.register_fake(
+    lambda grad_out, queries, keys, values, *rest: _float32(queries, keys, values)
+)
+
+centroid_rest_backward = Op(reference.centroid_rest_backward)
+centroid_rest_backward.register_fake(
+    lambda grad_rest, centroids, keys, values, *rest: _float32(centroids, keys, values)
+)
+
+#: The ops every kernel backend compiles (the table's order).
+OPS = tuple(step.name for step in steps.STEPS if step.op and step.compiled == steps.KERNEL_BACKENDS)
+#: The ops whose compiled implementation is still to come: the kernel backends run the reference for them
+#: and the kernel backends do not require them from ``_C``. Empty: kernels/ implements every op.
+PENDING_KERNELS: frozenset[str] = frozenset()
+#: The ops ``_C`` must register (per device) for a kernel backend to count as available.
+KERNEL_OPS = tuple(op for op in OPS if op not in PENDING_KERNELS)
+#: The ops ``_C`` implements for the CPU only.
+CPU_ONLY_OPS = tuple(step.name for step in steps.STEPS if step.op and step.compiled == steps.CPU)
 
 
 @contextlib.contextmanager
@@ -533,7 +366,7 @@ def _register_reference_backwards() -> None:
         return call
 
     for step in steps.STEPS:
-        if step.schema and "_backward" in step.name:
+        if step.op and step.name.endswith("_backward"):
             torch.library.impl(
                 f"{NAMESPACE}::{step.name}",
                 "CompositeExplicitAutograd",
@@ -545,115 +378,10 @@ def _register_reference_backwards() -> None:
 _register_reference_backwards()
 
 
-def topk_refine_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    scaling: float,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.topk_refine_backward``: float32 gradients of q, k, v, Vc, mass and Vtop."""
-    _ensure_loaded()
-    return _ops.topk_refine_backward.default(
-        grad_out, queries, keys, values, assignments, topk_indices, topk_mass, float(scaling)
-    )
-
-
-def refine_with_query_mass_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.refine_with_query_mass_backward``: float32 gradients (q, k, v, c, Vc, m, Vtop)."""
-    _ensure_loaded()
-    return _ops.refine_with_query_mass_backward.default(
-        grad_out, queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices,
-        topk_mass, topk_values, float(scaling),
-    )  # fmt: skip
-
-
-def centroid_attention_backward(
-    grad_centroid_values: torch.Tensor,
-    grad_topk_mass: torch.Tensor,
-    grad_topk_values: torch.Tensor,
-    centroids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    topk_indices: torch.Tensor,
-    scaling: float,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.centroid_attention_backward``: gradients of centroids, keys and values."""
-    _ensure_loaded()
-    return _ops.centroid_attention_backward.default(
-        grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys, values, valid,
-        topk_indices, float(scaling),
-    )  # fmt: skip
-
-
-def centroid_attention_backward_into(
-    grad_keys: torch.Tensor,
-    grad_values: torch.Tensor,
-    grad_centroid_values: torch.Tensor,
-    grad_topk_mass: torch.Tensor,
-    grad_topk_values: torch.Tensor,
-    centroids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    topk_indices: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """See ``reference.centroid_attention_backward_into``: adds into the first two, returns the centroids'."""
-    _ensure_loaded()
-    return _ops.centroid_attention_backward_into.default(
-        grad_keys, grad_values, grad_centroid_values, grad_topk_mass, grad_topk_values, centroids, keys,
-        values, valid, topk_indices, float(scaling),
-    )  # fmt: skip
-
-
-def group_queries_backward(
-    grad_centroids: torch.Tensor, queries: torch.Tensor, assignments: torch.Tensor
-) -> torch.Tensor:
-    """See ``reference.group_queries_backward``: the queries' gradient, in their dtype."""
-    _ensure_loaded()
-    return _ops.group_queries_backward.default(grad_centroids, queries, assignments)
-
-
-def broadcast_clusters_backward(
-    grad_out: torch.Tensor, centroid_values: torch.Tensor, assignments: torch.Tensor
-) -> torch.Tensor:
-    """See ``reference.broadcast_clusters_backward``: the centroid values' gradient."""
-    _ensure_loaded()
-    return _ops.broadcast_clusters_backward.default(grad_out, centroid_values, assignments)
-
-
-def banded_attention_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.banded_attention_backward``: float32 gradients of queries, keys and values."""
-    _ensure_loaded()
-    return _ops.banded_attention_backward.default(
-        grad_out, queries, keys, values, valid, int(window), float(scaling)
-    )
+# ---------------------------------------------------------------------------------------------------
+# Autograd (issue 38): the gradient of each differentiable op is the gradient of its reference function
+# given the discrete choices its forward made (assignments, top-k indices), which carry none; steps.py says
+# which backward op computes each (``Step.backward``). Hashing and K-means have integer outputs only.
 
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
@@ -671,52 +399,28 @@ def _wide_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_refine_gradient(
-    grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling
-):
+    grads, queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling,
+    dropout, seed,
+):  # fmt: skip
     found = topk_refine_backward(  # q, k, v read in their dtype and layout (no widened copies)
-        _wide_rows(grads[0]),
-        queries,
-        keys,
-        values,
-        assignments.contiguous(),
-        topk_indices.contiguous(),
-        _wide(topk_mass),
-        float(scaling),
-    )
+        _wide_rows(grads[0]), queries, keys, values, assignments.contiguous(),
+        topk_indices.contiguous(), _wide(topk_mass), float(scaling), dropout, seed,
+    )  # fmt: skip
     dq, dk, dv, dvc, dmass, dtopv = found
-    return [dq, dk, dv, None, dvc, None, dmass, dtopv, None]
+    return [dq, dk, dv, None, dvc, None, dmass, dtopv, None, None, None]
 
 
 def _refine_with_query_mass_gradient(
-    grads,
-    queries,
-    keys,
-    values,
-    valid,
-    assignments,
-    centroids,
-    centroid_values,
-    topk_indices,
-    topk_mass,
-    topk_values,
-    scaling,
-):
+    grads, queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
+    topk_values, scaling, dropout, seed,
+):  # fmt: skip
     found = refine_with_query_mass_backward(
-        _wide_rows(grads[0]),
-        _wide_rows(queries),
-        _wide_rows(keys),
-        _wide_rows(values),
-        valid.contiguous(),
-        assignments.contiguous(),
-        _wide(centroids),
-        _wide(centroid_values),
-        topk_indices.contiguous(),
-        _wide(topk_mass),
-        _wide(topk_values),
-        float(scaling),
-    )
+        _wide_rows(grads[0]), _wide_rows(queries), _wide_rows(keys), _wide_rows(values),
+        valid.contiguous(), assignments.contiguous(), _wide(centroids), _wide(centroid_values),
+        topk_indices.contiguous(), _wide(topk_mass), _wide(topk_values), float(scaling), dropout, seed,
+    )  # fmt: skip
     dq, dk, dv, dc, dvc, dmass, dtopv = found
-    return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None]
+    return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None, None, None]
 
 
 def _centroid_attention_gradient(grads, centroids, keys, values, valid, topk, scaling, indices):
@@ -773,26 +477,27 @@ def clustered_steps_backward(
     sum has two terms, so the bits are autograd's through the composed ops in float32 (a + b = b + a);
     in fp16/bf16 the parts are summed in float32 and rounded once (autograd rounds each part first).
     """
+    computes = steps.MODES[mode]
     g_centroids = None
-    if mode == "clustered":
+    if not computes.uses_topk:
         g_vc = broadcast_clusters_backward(_wide(grad_out), centroid_values, assignments.contiguous())
         g_mass = g_topv = None
         dq = dk = dv = None
-    elif mode == "i-clustered+":
+    elif computes.query_mass:
         found = _refine_with_query_mass_gradient(
             (grad_out,), queries, keys, values, valid, assignments, centroids, centroid_values,
-            topk_indices, topk_mass, topk_values, scaling,
+            topk_indices, topk_mass, topk_values, scaling, 0.0, 0,
         )  # fmt: skip
-        dq, dk, dv, _, _, g_centroids, g_vc, _, g_mass, g_topv, _ = found
+        dq, dk, dv, _, _, g_centroids, g_vc, _, g_mass, g_topv, *_ = found
     else:
         found = _topk_refine_gradient(
             (grad_out,), queries, keys, values, assignments, centroid_values, topk_indices, topk_mass,
-            topk_values, scaling,
+            topk_values, scaling, 0.0, 0,
         )  # fmt: skip
-        dq, dk, dv, _, g_vc, _, g_mass, g_topv, _ = found
+        dq, dk, dv, _, g_vc, _, g_mass, g_topv, *_ = found
     del grad_out
     small = centroids.shape[:3]
-    if dk is None:  # mode clustered: the centroid attention's are the only key and value gradients
+    if dk is None:  # plain clustered attention: the centroid attention's are the only key and value gradients
         dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
         dv = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
     g_attention = centroid_attention_backward_into(
@@ -816,7 +521,7 @@ def clustered_steps_backward(
     return dq, dk, dv
 
 
-def _register_gradient(op: str, gradient, kept_outputs: tuple[int, ...] = ()) -> None:
+def _register_gradient(op: Op, gradient, kept_outputs: tuple[int, ...] = ()) -> None:
     """Register ``gradient(grads, *inputs, *kept)`` (a gradient per input, None where none) as the backward.
 
     ``kept``: the forward's outputs named by ``kept_outputs`` (its discrete choices), saved with the inputs.
@@ -837,294 +542,39 @@ def _register_gradient(op: str, gradient, kept_outputs: tuple[int, ...] = ()) ->
             for i, grad in enumerate(found)
         )
 
-    torch.library.register_autograd(f"{NAMESPACE}::{op}", backward, setup_context=setup_context)
+    torch.library.register_autograd(f"{NAMESPACE}::{op.__name__}", backward, setup_context=setup_context)
 
 
-def _register_backwards() -> None:
-
-    # group_queries(queries, assignments, clusters) -> (centroids, counts)
-    _register_gradient("group_queries", lambda g, q, a, c: [_means_gradient(g[0], q, a), None, None])
-    # lloyd_refine(queries, assignments, clusters, iterations) -> (assignments, centroids, counts): the
-    # centroids are the means of the final partition (output 0), as group_queries gives them.
-    _register_gradient(
-        "lloyd_refine",
-        lambda g, q, a, c, rounds, final: [_means_gradient(g[1], q, final), None, None, None],
-        kept_outputs=(0,),
-    )
-    # centroid_attention(centroids, keys, values, valid, topk, scaling) -> (Vc, indices, mass, topv), given
-    # the top-k choice (output 1).
-    _register_gradient("centroid_attention", _centroid_attention_gradient, kept_outputs=(1,))
-    # The refinements.
-    _register_gradient("topk_refine", _topk_refine_gradient)
-    _register_gradient("refine_with_query_mass", _refine_with_query_mass_gradient)
-    # broadcast_clusters(Vc, assignments) -> out
-    _register_gradient("broadcast_clusters", _broadcast_gradient)
-    # banded_attention(queries, keys, values, valid, window, scaling) -> out
-    _register_gradient(
-        "banded_attention",
-        lambda g, q, k, v, valid, window, scaling: [
-            *banded_attention_backward(_wide(g[0]), q, k, v, valid.contiguous(), window, scaling),
-            None, None, None,
-        ],
-    )  # fmt: skip
-
-
-_register_backwards()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Attention dropout in training (issue 38, item 2): the dropout ops (kernels/cpu/dropout.cpp on the CPU,
-# the reference elsewhere). Their inputs are float32 and contiguous (``_wide``: no copy when they are
-# already); each backward draws the forward's masks again from its seed, so only the inputs are saved.
-
-
-@torch.library.register_fake(f"{NAMESPACE}::centroid_rest")
-def _centroid_rest_fake(centroids, keys, values, valid, topk_indices, scaling, dropout, seed):
-    return centroids.new_empty((*centroids.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::topk_refine_dropout")
-def _topk_refine_dropout_fake(queries, keys, values, *rest):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_dropout")
-def _refine_with_query_mass_dropout_fake(queries, keys, values, *rest):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::banded_attention_dropout")
-def _banded_attention_dropout_fake(queries, keys, values, valid, window, scaling, dropout, seed):
-    return queries.new_empty((*queries.shape[:-1], values.shape[-1]), dtype=torch.float32)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::centroid_rest_backward")
-def _centroid_rest_backward_fake(grad_rest, centroids, keys, values, *rest):
-    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (centroids, keys, values))
-
-
-@torch.library.register_fake(f"{NAMESPACE}::topk_refine_dropout_backward")
-def _topk_refine_dropout_backward_fake(
-    grad_out, queries, keys, values, assignments, topk_indices, topk_mass, *rest
-):
-    return _topk_refine_backward_fake(
-        grad_out, queries, keys, values, assignments, topk_indices, topk_mass, 1.0
-    )
-
-
-@torch.library.register_fake(f"{NAMESPACE}::refine_with_query_mass_dropout_backward")
-def _refine_with_query_mass_dropout_backward_fake(grad_out, queries, keys, values, valid, assignments, *rest):
-    centroids, centroid_values, _, topk_mass, topk_values = rest[:5]
-    return tuple(
-        torch.empty_like(t, dtype=torch.float32)
-        for t in (queries, keys, values, centroids, centroid_values, topk_mass, topk_values)
-    )
-
-
-@torch.library.register_fake(f"{NAMESPACE}::banded_attention_dropout_backward")
-def _banded_attention_dropout_backward_fake(grad_out, queries, keys, values, *rest):
-    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (queries, keys, values))
-
-
-def centroid_rest(
-    centroids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    topk_indices: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """See ``reference.centroid_rest``: float32 ``(R, H, C, Dv)``, the dropped attention outside the top-k."""
-    _ensure_loaded()
-    return _ops.centroid_rest.default(
-        _wide(centroids), _wide(keys), _wide(values), valid.contiguous(), topk_indices.contiguous(),
-        float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def topk_refine_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """See ``reference.topk_refine`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.topk_refine_dropout.default(
-        _wide(queries), _wide(keys), _wide(values), assignments.contiguous(), _wide(centroid_values),
-        topk_indices.contiguous(), _wide(topk_mass), _wide(topk_values), float(scaling), float(dropout),
-        int(seed),
-    )  # fmt: skip
-
-
-def refine_with_query_mass_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """See ``reference.refine_with_query_mass`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.refine_with_query_mass_dropout.default(
-        _wide(queries), _wide(keys), _wide(values), valid.contiguous(), assignments.contiguous(),
-        _wide(centroids), _wide(centroid_values), topk_indices.contiguous(), _wide(topk_mass),
-        _wide(topk_values), float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def banded_attention_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """See ``reference.banded_attention`` (with ``dropout``, ``seed``): float32 ``(R, H, N, Dv)``."""
-    _ensure_loaded()
-    return _ops.banded_attention_dropout.default(
-        _wide(queries), _wide(keys), _wide(values), valid.contiguous(), int(window), float(scaling),
-        float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def centroid_rest_backward(
-    grad_rest: torch.Tensor,
-    centroids: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    topk_indices: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.centroid_rest_backward``: float32 gradients of centroids, keys and values."""
-    _ensure_loaded()
-    return _ops.centroid_rest_backward.default(
-        _wide(grad_rest), _wide(centroids), _wide(keys), _wide(values), valid.contiguous(),
-        topk_indices.contiguous(), float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def topk_refine_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.topk_refine_dropout_backward``: float32 gradients of q, k, v, Vc, mass and Vtop."""
-    _ensure_loaded()
-    return _ops.topk_refine_dropout_backward.default(
-        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), assignments.contiguous(),
-        topk_indices.contiguous(), _wide(topk_mass), float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def refine_with_query_mass_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.refine_with_query_mass_dropout_backward``: gradients (q, k, v, c, Vc, m, Vtop)."""
-    _ensure_loaded()
-    return _ops.refine_with_query_mass_dropout_backward.default(
-        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), valid.contiguous(),
-        assignments.contiguous(), _wide(centroids), _wide(centroid_values), topk_indices.contiguous(),
-        _wide(topk_mass), _wide(topk_values), float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def banded_attention_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """See ``reference.banded_attention_dropout_backward``: float32 gradients of queries, keys and values."""
-    _ensure_loaded()
-    return _ops.banded_attention_dropout_backward.default(
-        _wide(grad_out), _wide(queries), _wide(keys), _wide(values), valid.contiguous(), int(window),
-        float(scaling), float(dropout), int(seed),
-    )  # fmt: skip
-
-
-def _register_dropout_backwards() -> None:
-    # centroid_rest(centroids, keys, values, valid, topk_indices, scaling, dropout, seed) -> rest
-    _register_gradient(
-        "centroid_rest",
-        lambda g, c, k, v, valid, indices, scaling, dropout, seed: [
-            *centroid_rest_backward(g[0], c, k, v, valid, indices, scaling, dropout, seed),
-            None, None, None, None, None,
-        ],
-    )  # fmt: skip
-
-    def topk_refine_gradient(grads, q, k, v, assignments, vc, indices, mass, topv, scaling, dropout, seed):
-        found = topk_refine_dropout_backward(
-            grads[0], q, k, v, assignments, indices, mass, scaling, dropout, seed
-        )
-        dq, dk, dv, dvc, dmass, dtopv = found
-        return [dq, dk, dv, None, dvc, None, dmass, dtopv, None, None, None]
-
-    _register_gradient("topk_refine_dropout", topk_refine_gradient)
-
-    def plus_gradient(grads, q, k, v, valid, assignments, c, vc, indices, mass, topv, scaling, dropout, seed):
-        found = refine_with_query_mass_dropout_backward(
-            grads[0], q, k, v, valid, assignments, c, vc, indices, mass, topv, scaling, dropout, seed
-        )
-        dq, dk, dv, dc, dvc, dmass, dtopv = found
-        return [dq, dk, dv, None, None, dc, dvc, None, dmass, dtopv, None, None, None]
-
-    _register_gradient("refine_with_query_mass_dropout", plus_gradient)
-    _register_gradient(
-        "banded_attention_dropout",
-        lambda g, q, k, v, valid, window, scaling, dropout, seed: [
-            *banded_attention_dropout_backward(g[0], q, k, v, valid, window, scaling, dropout, seed),
-            None, None, None, None, None,
-        ],
-    )  # fmt: skip
-
-
-_register_dropout_backwards()
+# group_queries(queries, assignments, clusters) -> (centroids, counts)
+_register_gradient(group_queries, lambda g, q, a, c: [_means_gradient(g[0], q, a), None, None])
+# lloyd_refine(queries, assignments, clusters, iterations) -> (assignments, centroids, counts): the centroids
+# are the means of the final partition (output 0), as group_queries gives them.
+_register_gradient(
+    lloyd_refine,
+    lambda g, q, a, c, rounds, final: [_means_gradient(g[1], q, final), None, None, None],
+    kept_outputs=(0,),
+)
+# centroid_attention(centroids, keys, values, valid, topk, scaling) -> (Vc, indices, mass, topv), given the
+# top-k choice (output 1).
+_register_gradient(centroid_attention, _centroid_attention_gradient, kept_outputs=(1,))
+# The refinements, with the forward's dropout and seed (their masks are drawn again).
+_register_gradient(topk_refine, _topk_refine_gradient)
+_register_gradient(refine_with_query_mass, _refine_with_query_mass_gradient)
+# broadcast_clusters(Vc, assignments) -> out
+_register_gradient(broadcast_clusters, _broadcast_gradient)
+# banded_attention(queries, keys, values, valid, window, scaling, dropout, seed) -> out
+_register_gradient(
+    banded_attention,
+    lambda g, q, k, v, valid, window, scaling, dropout, seed: [
+        *banded_attention_backward(_wide(g[0]), q, k, v, valid.contiguous(), window, scaling, dropout, seed),
+        None, None, None, None, None,
+    ],
+)  # fmt: skip
+# centroid_rest(centroids, keys, values, valid, topk_indices, scaling, dropout, seed) -> rest
+_register_gradient(
+    centroid_rest,
+    lambda g, c, k, v, valid, indices, scaling, dropout, seed: [
+        *centroid_rest_backward(_wide(g[0]), c, k, v, valid, indices, scaling, dropout, seed),
+        None, None, None, None, None,
+    ],
+)  # fmt: skip

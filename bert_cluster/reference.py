@@ -350,12 +350,12 @@ def _attend_centroids(scores, values, valid, indices):
         )
     picked = indices >= 0
     top_weights = torch.where(picked, weights.gather(-1, indices.clamp(min=0)), 0.0)
-    gathered = torch.where(picked[..., None], _gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
+    gathered = torch.where(picked[..., None], gather_rows(clean_values, indices), 0.0)  # (R, H, C, k, Dv)
     topk_values = torch.einsum("rhck,rhckd->rhcd", top_weights, gathered)
     return centroid_values, top_weights.sum(-1), topk_values
 
 
-def _gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``tensor[r, h, indices[r, h, ...]]`` for ``(R, H, N, D)`` tensor; -1 gathers row 0 (mask it after)."""
     rows, heads, n, d = tensor.shape
     flat = indices.clamp(min=0).reshape(rows, heads, -1)
@@ -373,7 +373,6 @@ def topk_refine(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -389,20 +388,20 @@ def topk_refine(
     cluster = assignments.clamp(min=0)
     indices = topk_indices.gather(2, cluster[..., None].expand(-1, -1, -1, topk_indices.shape[-1]))
     slot = indices >= 0  # (R, H, N, k): a real top-k key (a -1 slot gathers row 0: masked below)
-    top_keys = _gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
+    top_keys = gather_rows(_wide(keys), indices)  # (R, H, N, k, Dk)
     scores = torch.einsum("rhnd,rhnkd->rhnk", _wide(queries), top_keys) * scaling
     query = torch.arange(queries.shape[2], device=queries.device)[:, None]
     weights = attention_dropout(_masked_softmax(scores, slot), dropout, seed, query, indices)
     mass = topk_mass.gather(2, cluster)
-    top_values = torch.where(slot[..., None], _gather_rows(_wide(values), indices), 0.0)
+    top_values = torch.where(slot[..., None], gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights * mass[..., None], top_values)
-    base = _gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
+    base = gather_rows(centroid_values - topk_values, cluster[..., None]).squeeze(-2)
     return torch.where(member[..., None], base + exact, 0.0)
 
 
 def broadcast_clusters(centroid_values: torch.Tensor, assignments: torch.Tensor) -> torch.Tensor:
     """Plain clustered attention's output: each query takes its centroid's row; padded queries get zeros."""
-    gathered = _gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
+    gathered = gather_rows(centroid_values, assignments.clamp(min=0)[..., None]).squeeze(-2)
     return torch.where((assignments >= 0)[..., None], gathered, 0)
 
 
@@ -428,7 +427,6 @@ def banded_attention(
     valid: torch.Tensor,
     window: int,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -568,7 +566,6 @@ def refine_with_query_mass(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-    *,
     dropout: float = 0.0,
     seed: int = 0,
 ) -> torch.Tensor:
@@ -605,7 +602,7 @@ def refine_with_query_mass(
     cluster = assignments.clamp(min=0)
     slots = topk_indices >= 0
     key_rows = torch.where(valid[:, None, :, None], _wide(keys), 0.0)  # padding masked, not multiplied by 0
-    top_keys = torch.where(slots[..., None], _gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
+    top_keys = torch.where(slots[..., None], gather_rows(_wide(keys), topk_indices), 0.0)  # (R, H, C, k, Dk)
     centroid_scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     centroid_logz = centroid_scores.masked_fill(~slots, -math.inf).logsumexp(-1)  # log Z_T(c_j)
     rest_count = valid.sum(-1)[:, None, None] - slots.sum(-1)  # (R, H, C) valid keys outside T_j
@@ -638,7 +635,7 @@ def refine_with_query_mass(
 
     indices = per_query(topk_indices)  # (R, H, N, k)
     q = _wide(queries)
-    scores = torch.einsum("rhnd,rhnkd->rhnk", q, _gather_rows(_wide(keys), indices)) * scaling
+    scores = torch.einsum("rhnd,rhnkd->rhnk", q, gather_rows(_wide(keys), indices)) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     query_logz = scores.logsumexp(-1)
     query_rest = rest_logz(q, per_query(key_mean), per_query(key_var))
@@ -647,66 +644,10 @@ def refine_with_query_mass(
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0) * torch.sigmoid(-odds)[..., None]
     query = torch.arange(queries.shape[2], device=queries.device)[:, None]
     weights = attention_dropout(weights, dropout, seed, query, indices)
-    top_values = torch.where((indices >= 0)[..., None], _gather_rows(_wide(values), indices), 0.0)
+    top_values = torch.where((indices >= 0)[..., None], gather_rows(_wide(values), indices), 0.0)
     exact = torch.einsum("rhnk,rhnkd->rhnd", weights, top_values)
     out = exact + torch.sigmoid(odds)[..., None] * per_query(rest_mean)
     return torch.where((assignments >= 0)[..., None], out, 0.0)  # whatever a padded query held
-
-
-def topk_refine_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``topk_refine`` with attention dropout as the op's own arguments (the op of training's steps)."""
-    return topk_refine(
-        queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values, scaling,
-        dropout=dropout, seed=seed,
-    )  # fmt: skip
-
-
-def refine_with_query_mass_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``refine_with_query_mass`` with attention dropout as the op's own arguments."""
-    return refine_with_query_mass(
-        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
-        topk_values, scaling, dropout=dropout, seed=seed,
-    )  # fmt: skip
-
-
-def banded_attention_dropout(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> torch.Tensor:
-    """``banded_attention`` with attention dropout as the op's own arguments."""
-    return banded_attention(queries, keys, values, valid, window, scaling, dropout=dropout, seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -744,15 +685,19 @@ def topk_refine_backward(
     topk_indices: torch.Tensor,
     topk_mass: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``topk_refine``'s input gradients, float32: queries, keys, values, centroid values, mass, top-k values.
 
     The gradient does not depend on the centroid and top-k values (they enter the output as a
-    difference), so the op does not take them: zeros stand in.
+    difference), so the op does not take them: zeros stand in. ``dropout``, ``seed``: the forward's (its
+    masks are drawn again).
     """
     rows, heads, clusters, _ = topk_indices.shape
     blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
     inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
+    inputs += [dropout, seed]
     # float32 (float64 for float64) whatever the inputs' dtype, as the kernel gives them
     return tuple(_wide(g) for g in _gradients(topk_refine, inputs, [0, 1, 2, 4, 6, 7], grad_out))
 
@@ -770,21 +715,14 @@ def refine_with_query_mass_backward(
     topk_mass: torch.Tensor,
     topk_values: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``refine_with_query_mass``'s gradients of queries, keys, values, centroids, Vc, mass and Vtop."""
     inputs = [
-        queries,
-        keys,
-        values,
-        valid,
-        assignments,
-        centroids,
-        centroid_values,
-        topk_indices,
-        topk_mass,
-        topk_values,
-        scaling,
-    ]
+        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
+        topk_values, scaling, dropout, seed,
+    ]  # fmt: skip
     return tuple(_gradients(refine_with_query_mass, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out))
 
 
@@ -801,7 +739,7 @@ def centroid_attention_backward(
     valid: torch.Tensor,
     topk_indices: torch.Tensor,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``centroid_attention``'s gradients of centroids, keys and values given its top-k choice."""
     inputs = [centroids, keys, values, valid, topk_indices, scaling]
     grads = (grad_centroid_values, grad_topk_mass, grad_topk_values)
@@ -862,14 +800,15 @@ def banded_attention_backward(
     valid: torch.Tensor,
     window: int,
     scaling: float,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``banded_attention``'s gradients of queries, keys and values, float32 (float64 for float64)."""
-    inputs = [queries, keys, values, valid, window, scaling]
+    inputs = [queries, keys, values, valid, window, scaling, dropout, seed]
     return tuple(_wide(g) for g in _gradients(banded_attention, inputs, [0, 1, 2], grad_out))
 
 
-# The dropout ops' backward (kernels/cpu/dropout.cpp is the kernel of each): the masks drawn again from
-# the seed.
+# Attention dropout's own step (kernels/cpu/dropout.cpp): its backward draws the masks again from the seed.
 
 
 def centroid_rest_backward(
@@ -880,70 +819,9 @@ def centroid_rest_backward(
     valid: torch.Tensor,
     topk_indices: torch.Tensor,
     scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``centroid_rest``'s gradients of centroids, keys and values."""
     inputs = [centroids, keys, values, valid, topk_indices, scaling, dropout, seed]
     return tuple(_wide(g) for g in _gradients(centroid_rest, inputs, [0, 1, 2], grad_rest))
-
-
-def topk_refine_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    assignments: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``topk_refine_dropout``'s gradients: queries, keys, values, centroid values, mass, top-k values."""
-    rows, heads, clusters, _ = topk_indices.shape
-    blank = values.new_zeros((rows, heads, clusters, values.shape[-1]), dtype=torch.float32)
-    inputs = [queries, keys, values, assignments, blank, topk_indices, topk_mass, blank.clone(), scaling]
-    inputs += [dropout, seed]
-    return tuple(_wide(g) for g in _gradients(topk_refine_dropout, inputs, [0, 1, 2, 4, 6, 7], grad_out))
-
-
-def refine_with_query_mass_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    assignments: torch.Tensor,
-    centroids: torch.Tensor,
-    centroid_values: torch.Tensor,
-    topk_indices: torch.Tensor,
-    topk_mass: torch.Tensor,
-    topk_values: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``refine_with_query_mass_dropout``'s gradients of q, k, v, centroids, Vc, mass and Vtop."""
-    inputs = [
-        queries, keys, values, valid, assignments, centroids, centroid_values, topk_indices, topk_mass,
-        topk_values, scaling, dropout, seed,
-    ]  # fmt: skip
-    found = _gradients(refine_with_query_mass_dropout, inputs, [0, 1, 2, 5, 6, 8, 9], grad_out)
-    return tuple(_wide(g) for g in found)
-
-
-def banded_attention_dropout_backward(
-    grad_out: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    window: int,
-    scaling: float,
-    dropout: float,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """``banded_attention_dropout``'s gradients of queries, keys and values."""
-    inputs = [queries, keys, values, valid, window, scaling, dropout, seed]
-    return tuple(_wide(g) for g in _gradients(banded_attention_dropout, inputs, [0, 1, 2], grad_out))

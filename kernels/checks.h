@@ -39,6 +39,13 @@ inline void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const cha
                    a.scalar_type(), " and ", b.scalar_type());
 }
 
+// A kernel without attention dropout (the CUDA ones): bert_cluster.dispatch runs dropout on a backend that
+// has it, so this only guards a direct call of the op.
+inline void check_no_dropout(double dropout, const char* op) {
+  TORCH_CHECK_VALUE(dropout == 0.0, op, ": this device's kernels have no attention dropout, got dropout=",
+                    dropout, " (the reference backend has it)");
+}
+
 // (R, H, N, Dk) queries or keys with a matching (R, H, N, Dv) values tensor.
 inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_dim(q, 4, "queries", "(R, H, N, Dk)");

@@ -1,5 +1,7 @@
 """The GPU checks the CPU test suite cannot make, run by scripts/gpu_check.sh on a machine with a CUDA GPU.
 
+From the repository root, with the checkout's package importable (gpu_check.sh puts the root on PYTHONPATH):
+
     python scripts/gpu_checks.py checks --output OUT/checks.json   # correctness on the GPU (~1 min)
     python scripts/gpu_checks.py quick                              # small shapes, for compute-sanitizer
     python scripts/gpu_checks.py bench --output OUT/bench.json      # CUDA-event timings, SDPA, peak memory
@@ -34,12 +36,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bert_cluster import ClusteredAttentionConfig, clustered_attention, dispatch
+from bert_cluster import reference as ref
+from bert_cluster.attention import hash_planes, windowed_attention
 
-from bert_cluster import ClusteredAttentionConfig, clustered_attention, dispatch  # noqa: E402
-from bert_cluster import reference as ref  # noqa: E402
-from bert_cluster.attention import hash_planes, windowed_attention  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEVICE = "cuda"  # "cpu" with --device cpu: the CPU kernels stand in (gpu_check.sh --dry-run)
 BACKEND = "cuda"
@@ -367,15 +368,13 @@ def device_assert_on_bad_assignments() -> dict:
     if DEVICE != "cuda":
         return {"status": STUB, "why": "needs a GPU (a device-side assertion)"}
     code = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from bert_cluster import ops\n"
+        "import torch; from bert_cluster import ops\n"
         "q = torch.randn(1, 1, 16, 8, device='cuda')\n"
         "a = torch.zeros(1, 1, 16, dtype=torch.long, device='cuda')\n"
         "a[0, 0, 3] = 7\n"
         "ops.group_queries(q, a, 3); torch.cuda.synchronize(); print('NO ERROR')\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "NO ERROR" not in text, "an out-of-range assignment was accepted"
     assert "assert" in text.lower(), text[-500:]

@@ -25,10 +25,10 @@ budget the clustered run scores at least the exact run's (R@1), and the clustere
 run's final R@1 within half the exact run's time. Writes JSON, a Markdown table and a plot (loss and R@1
 against training time).
 
-    python scripts/long_document_training.py --budgets 300 600 1200 --seed 0 \\
+    python -m scripts.long_document_training --budgets 300 600 1200 --seed 0 \\
         --output docs/results/long_document_training_xeon_amx/training.json
-    python scripts/long_document_training.py --budgets 60 120 --length 1024 --eval-every 4   # a short try
-    python scripts/long_document_training.py --plot-seeds training.json training_seed1.json ... \\
+    python -m scripts.long_document_training --budgets 60 120 --length 1024 --eval-every 4   # a short try
+    python -m scripts.long_document_training --plot-seeds training.json training_seed1.json ... \\
         --output docs/results/long_document_training_xeon_amx/seeds.png   # every seed in one figure
 """
 
@@ -37,14 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_long_context import environment, load_average  # noqa: E402
+from benchmarks.harness import environment, load_average
 
 TRAIN_ARTICLES = 24  # articles 1-24 train, 25-48 are scored (the SQuAD checkpoint's split)
 VARIANTS = ("exact", "clustered")

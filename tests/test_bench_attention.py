@@ -1,4 +1,4 @@
-"""scripts/bench_attention.py: the order in which the timed calls run."""
+"""benchmarks.attention: the order in which the timed calls run."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import argparse
 import sys
 
 import pytest
-from helpers import load_script
+
+from benchmarks import attention
 
 THREE_EACH = {("sdpa", 64): 3, ("kernel-i-clustered", 64): 3}
 
 
 def load_bench():
-    return load_script("bench_attention")
+    return attention
 
 
 @pytest.fixture()

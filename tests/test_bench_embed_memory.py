@@ -1,15 +1,16 @@
-"""scripts/bench_embed_memory.py: the corpus it generates, and its summary taken from its own runs."""
+"""benchmarks.embed_memory: the corpus it generates, and its summary taken from its own runs."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import load_script
+
+from benchmarks import embed_memory
 
 
 def load_bench():
-    return load_script("bench_embed_memory")
+    return embed_memory
 
 
 def test_the_corpus_is_the_same_for_the_same_seed(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/bench_linears.py: the linear layers' floor under a patched model's time (issue 27, item 2)."""
+"""benchmarks.linears: the linear layers' floor under a patched model's time (issue 27, item 2)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import load_script
+
+from benchmarks import linears
 
 
 def load_bench():
-    return load_script("bench_linears")
+    return linears
 
 
 def tiny_bert() -> transformers.BertModel:

@@ -1,15 +1,16 @@
-"""scripts/bench_long_context.py: the bf16 runs (issue 27) against the fp32 unmodified model."""
+"""benchmarks.long_context: the bf16 runs (issue 27) against the fp32 unmodified model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
-from helpers import load_script
+
+from benchmarks import long_context
 
 
 def load_bench():
-    return load_script("bench_long_context")
+    return long_context
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""scripts/bench_peers.py: arguments, the ratio/crossover/target arithmetic, the report, the capped runner."""
+"""benchmarks.peers: arguments, the ratio/crossover/target arithmetic, the report, the capped runner."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import sys
 
 import pytest
-from helpers import load_script
+
+from benchmarks import peers
 
 
 def load_bench():
-    return load_script("bench_peers")
+    return peers
 
 
 bench = load_bench()
@@ -247,7 +248,7 @@ def test_quick_run_of_the_torch_methods_writes_the_report(tmp_path):
     # At 64 tokens convert's "auto" minimum length leaves SDPA in place: the same embedding.
     assert cells["bert-cluster"]["cosine_min"] == pytest.approx(1.0, abs=1e-5)
     assert cells["bert-cluster"]["docs_per_s"] > 0 and cells["bert-cluster"]["peak_rss_mib"] > 0
-    assert report["command"].startswith("python scripts/bench_peers.py --quick")
+    assert report["command"].startswith("python -m benchmarks.peers --quick")
     assert report["machine"]["cpu_count"] >= 1 and report["threads"] == 2
     assert report["openvino_precision"] == "f32"  # the option's default, recorded
     assert output.with_suffix(".png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""scripts/bench_training.py: the results' schema, and every ratio taken from the same run's timings."""
+"""benchmarks.training: the results' schema, and every ratio taken from the same run's timings."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import statistics
 import pytest
 import torch
 import transformers
-from helpers import load_script
+
+from benchmarks import training
 
 
 def load_bench():
-    return load_script("bench_training")
+    return training
 
 
 @pytest.fixture()

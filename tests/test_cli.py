@@ -234,6 +234,23 @@ def test_a_bad_output_is_refused_before_any_work(tmp_path, tiny_folder, monkeypa
     assert (full / "results.json").read_text() == "{}"
 
 
+def test_convert_into_its_own_model_folder_is_refused_overwrite_or_not(tmp_path):
+    """Issue 69: an output that is the model (or holds it, or lies in it) would replace the model's own
+    files; ``--overwrite`` only means "replace an earlier output"."""
+    model = helpers.save_model(tmp_path / "model")
+    (tmp_path / "link").symlink_to(model)
+    before = {path.name: path.read_bytes() for path in model.iterdir()}
+    for output, where in (
+        (model, "is the model folder"),
+        (tmp_path / "link", "is the model folder"),
+        (model / "converted", "lies inside the model folder"),
+        (tmp_path, "holds the model folder"),
+    ):
+        for overwrite in ([], ["--overwrite"]):
+            one_line_error(runner.invoke(app, ["convert", str(model), str(output), *overwrite]), where)
+    assert {path.name: path.read_bytes() for path in model.iterdir()} == before
+
+
 def test_progress_goes_to_stderr_as_plain_lines_and_results_to_stdout(tmp_path, tiny_folder):
     helpers.write_rte(tmp_path / "data", helpers.RTE_ROWS)
     result = runner.invoke(

@@ -77,6 +77,27 @@ def test_inputs_that_require_grad_run_on_the_kernels(monkeypatch) -> None:
     assert dispatch.select_backend("auto", x).name == "cpu"
 
 
+def test_a_backend_without_dropout_refuses_it_with_the_reason(monkeypatch) -> None:
+    """Attention dropout is decided at the one dispatch point: a backend whose kernels have none gives the
+    reason, so a forced one raises and auto passes it by (the CUDA kernels have no dropout)."""
+    monkeypatch.delenv("BERT_CLUSTER_DISABLE_KERNELS", raising=False)
+    monkeypatch.delenv("BERT_CLUSTER_BACKEND", raising=False)
+    x = torch.zeros(1, 1, 4, 8)
+    why = "attention dropout (training, p=0.1): the cuda kernels have none"
+    assert why in dispatch.CudaKernelBackend.not_supported_reasons(x, dropout=0.1)
+    assert not any("dropout" in r for r in dispatch.CudaKernelBackend.not_supported_reasons(x, dropout=0.0))
+    assert dispatch.ReferenceBackend.not_supported_reasons(x, dropout=0.1) == []
+    ok, why = dispatch.CpuKernelBackend.is_available()
+    if not ok:
+        pytest.skip(f"CPU kernels not built: {why}")
+    assert dispatch.select_backend("auto", x, dropout=0.1).name == "cpu"  # the CPU kernels drop
+    monkeypatch.setattr(dispatch.CpuKernelBackend, "HAS_DROPOUT", False)
+    assert dispatch.select_backend("auto", x).name == "cpu"
+    assert dispatch.select_backend("auto", x, dropout=0.1).name == "reference"
+    with pytest.raises(ValueError, match=r"backend 'cpu' cannot run.*dropout \(training, p=0.1\)"):
+        dispatch.select_backend("cpu", x, dropout=0.1)
+
+
 def test_disable_env_forces_reference(monkeypatch) -> None:
     monkeypatch.setenv("BERT_CLUSTER_DISABLE_KERNELS", "1")
     assert dispatch.select_backend("auto", torch.zeros(1)).name == "reference"

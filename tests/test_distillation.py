@@ -180,6 +180,7 @@ def test_resume_refuses_another_distill_and_takes_a_run_from_before_the_option(s
     for key in ("distill", "distill_temperature"):
         del older[key]  # as a run started before distill existed wrote it
     settings_file.write_text(json.dumps(older))
+    (plain / "finetune.json").unlink()  # unfinished (issue 69: a finished run is not trained further)
     assert finetune(model, "rte", plain, resume=True, **common).resumed_from == "checkpoint-2"
 
 

@@ -126,10 +126,11 @@ def test_windowed_attention_drops_band_weights_and_passes_gradcheck():
     assert torch.autograd.gradcheck(attend, leaves)
 
 
-@pytest.mark.parametrize("backend,device", kernel_backends())
+@pytest.mark.parametrize("backend,device", [("cpu", "cpu")])
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_backends_drop_like_the_reference(backend, device, mode):
-    """The partition runs on the backend, the dropped weights in PyTorch: the same masks, the same result."""
+    """The partition runs on the backend, the dropped weights in its kernels: the reference's masks, the
+    same result. (The CUDA kernels have no dropout: test_a_backend_without_dropout_refuses_it.)"""
     require_kernels(backend)
     q, k, v, valid = (t.to(device) for t in _inputs(n=48, seed=3))
     results = []
@@ -144,6 +145,23 @@ def test_kernel_backends_drop_like_the_reference(backend, device, mode):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend,device", kernel_backends())
+def test_a_backend_without_dropout_refuses_it(backend, device):
+    """Forced, a backend whose kernels have no dropout says so; auto runs such a call where there is one."""
+    require_kernels(backend)
+    q, k, v, valid = (t.to(device) for t in _inputs(n=48, seed=3))
+    config = _config("i-clustered+", backend)
+    if dispatch.BACKENDS[backend].HAS_DROPOUT:
+        pytest.skip(f"the {backend} kernels have dropout (test_kernel_backends_drop_like_the_reference)")
+    with pytest.raises(ValueError, match=f"backend '{backend}' cannot run.*attention dropout"):
+        clustered_attention(q, k, v, valid, config, dropout=0.2)
+    outputs = []
+    for name in ("auto", "reference"):
+        torch.manual_seed(9)
+        outputs.append(clustered_attention(q, k, v, valid, config.replace(backend=name), dropout=0.2))
+    assert torch.equal(*outputs)
 
 
 def test_short_rows_drop_like_exact_attention():
@@ -317,7 +335,7 @@ def _case_inputs(case: Case, seed: int = 0):
 
 
 def _op_calls(case: Case, dropout: float = P, seed: int = 17):
-    """Per dropout op: (its differentiable inputs, a function of them taking the step to call)."""
+    """Per op that drops: (its differentiable inputs, a function of them taking the step to call)."""
     q, k, v, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
     rest = reference.centroid_rest(centroids, k, v, valid, indices, scaling, dropout, seed)
     nothing = torch.zeros_like(rest)
@@ -329,19 +347,19 @@ def _op_calls(case: Case, dropout: float = P, seed: int = 17):
                 centroids, keys, values, valid, indices, scaling, *drop
             ),
         ),
-        "topk_refine_dropout": (
+        "topk_refine": (
             {"queries": q, "keys": k, "values": v, "vc": rest, "mass": mass, "topv": nothing},
             lambda step, queries, keys, values, vc, mass, topv: step(
                 queries, keys, values, plus, vc, indices, mass, topv, scaling, *drop
             ),
         ),
-        "refine_with_query_mass_dropout": (
+        "refine_with_query_mass": (
             {"queries": q, "keys": k, "values": v, "c": centroids, "vc": rest, "mass": mass, "topv": nothing},
             lambda step, queries, keys, values, c, vc, mass, topv: step(
                 queries, keys, values, valid, plus, c, vc, indices, mass, topv, scaling, *drop
             ),
         ),
-        "banded_attention_dropout": (
+        "banded_attention": (
             {"queries": q, "keys": k, "values": v},
             lambda step, queries, keys, values: step(
                 queries, keys, values, valid, case.window, scaling, *drop
@@ -352,9 +370,9 @@ def _op_calls(case: Case, dropout: float = P, seed: int = 17):
 
 DROPOUT_OPS = [
     "centroid_rest",
-    "topk_refine_dropout",
-    "refine_with_query_mass_dropout",
-    "banded_attention_dropout",
+    "topk_refine",
+    "refine_with_query_mass",
+    "banded_attention",
 ]
 
 
@@ -424,21 +442,19 @@ def test_dropout_kernels_draw_the_references_masks(dropout):
         nothing = torch.zeros_like(rest[0])
         pairs = {
             "centroid_rest": rest,
-            "topk_refine_dropout": tuple(
+            "topk_refine": tuple(
                 step(q, k, v, plus, nothing, indices, mass, nothing, scaling, dropout, seed)
-                for step in (reference.topk_refine_dropout, kernels.topk_refine_dropout)
+                for step in (reference.topk_refine, kernels.topk_refine)
             ),
-            "banded_attention_dropout": tuple(
+            "banded_attention": tuple(
                 step(q, k, v, valid, case.window, scaling, dropout, seed)
-                for step in (reference.banded_attention_dropout, kernels.banded_attention_dropout)
+                for step in (reference.banded_attention, kernels.banded_attention)
             ),
         }
         undropped = {
             "centroid_rest": reference.centroid_rest(centroids, k, v, valid, indices, scaling),
-            "topk_refine_dropout": reference.topk_refine(
-                q, k, v, plus, nothing, indices, mass, nothing, scaling
-            ),
-            "banded_attention_dropout": reference.banded_attention(q, k, v, valid, case.window, scaling),
+            "topk_refine": reference.topk_refine(q, k, v, plus, nothing, indices, mass, nothing, scaling),
+            "banded_attention": reference.banded_attention(q, k, v, valid, case.window, scaling),
         }
         for name, (expected, got) in pairs.items():
             weighed = undropped[name] != 0
@@ -448,6 +464,8 @@ def test_dropout_kernels_draw_the_references_masks(dropout):
 
 
 def test_dropout_zero_gives_the_plain_ops():
+    """Dropout 0 is the ops without dropout, bit for bit (whatever the seed); the centroids' rest is the
+    centroid attention's Vc - Vtop."""
     require_kernels("cpu")
     case = Case(200, 10, 16, 32, 24, "fp32", True, window=9)
     q, k, v, valid, scaling, plus, centroids, indices, mass = _case_inputs(case)
@@ -457,23 +475,18 @@ def test_dropout_zero_gives_the_plain_ops():
     close = {"atol": OP_ATOL["fp32"], "rtol": OP_RTOL}
     rest = kernels.centroid_rest(centroids, k, v, valid, indices, scaling, 0.0, 5)
     torch.testing.assert_close(rest, vc - topv, **close)
-    torch.testing.assert_close(
-        kernels.topk_refine_dropout(q, k, v, plus, vc, indices, mass, topv, scaling, 0.0, 5),
+    assert torch.equal(
+        kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling, 0.0, 5),
         kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling),
-        **close,
     )
-    torch.testing.assert_close(
-        kernels.refine_with_query_mass_dropout(
-            q, k, v, valid, plus, centroids, vc, indices, mass, topv, scaling, 0.0, 5
-        ),
-        kernels.refine_with_query_mass(q, k, v, valid, plus, centroids, vc, indices, mass, topv, scaling),
-        **close,
-    )
-    torch.testing.assert_close(
-        kernels.banded_attention_dropout(q, k, v, valid, 9, scaling, 0.0, 5),
+    own = (q, k, v, valid, plus, centroids, vc, indices, mass, topv, scaling)
+    assert torch.equal(kernels.refine_with_query_mass(*own, 0.0, 5), kernels.refine_with_query_mass(*own))
+    assert torch.equal(
+        kernels.banded_attention(q, k, v, valid, 9, scaling, 0.0, 5),
         kernels.banded_attention(q, k, v, valid, 9, scaling),
-        **close,
     )
+    dropped = kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling, P, 5)
+    assert not torch.equal(dropped, kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling))
 
 
 def test_dropout_ops_pass_gradcheck_in_float64_on_the_reference():
@@ -502,20 +515,20 @@ def _opcheck_cases():
     g_out = torch.randn(2, 2, case.n, case.dv)
     return {
         "centroid_rest": (grad(centroids), grad(k), grad(v), valid, indices, scaling, P, 4),
-        "topk_refine_dropout": (
+        "topk_refine": (
             grad(q), grad(k), grad(v), plus, grad(rest), indices, grad(mass), grad(zero), scaling, P, 4,
         ),
-        "refine_with_query_mass_dropout": (
+        "refine_with_query_mass": (
             grad(q), grad(k), grad(v), valid, plus, grad(centroids), grad(rest), indices, grad(mass),
             grad(zero), scaling, P, 4,
         ),
-        "banded_attention_dropout": (grad(q), grad(k), grad(v), valid, 3, scaling, P, 4),
+        "banded_attention": (grad(q), grad(k), grad(v), valid, 3, scaling, P, 4),
         "centroid_rest_backward": (torch.randn(rest.shape), centroids, k, v, valid, indices, scaling, P, 4),
-        "topk_refine_dropout_backward": (g_out, q, k, v, plus, indices, mass, scaling, P, 4),
-        "refine_with_query_mass_dropout_backward": (
+        "topk_refine_backward": (g_out, q, k, v, plus, indices, mass, scaling, P, 4),
+        "refine_with_query_mass_backward": (
             g_out, q, k, v, valid, plus, centroids, rest, indices, mass, zero, scaling, P, 4,
         ),
-        "banded_attention_dropout_backward": (g_out, q, k, v, valid, 3, scaling, P, 4),
+        "banded_attention_backward": (g_out, q, k, v, valid, 3, scaling, P, 4),
     }  # fmt: skip
 
 

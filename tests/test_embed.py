@@ -575,3 +575,152 @@ def test_two_processes_write_what_one_does(minilm_dir, corpus, tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
         p.name for p in (tmp_path / "one").iterdir()
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# One test per defect of issue 69 (a changing corpus, swapped shards, the model's own folder)
+# --------------------------------------------------------------------------------------------------
+
+#: Six short documents, two to a shard.
+SIX = ["one small text", "two more words", "three", "the fourth one", "five is here", "six and last"]
+TWO_A_SHARD = {"shard_size": 2, "exact": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory) -> Path:
+    import helpers
+
+    return helpers.save_sentence_transformer(tmp_path_factory.mktemp("tiny") / "st")
+
+
+def _six(tmp_path: Path) -> Path:
+    path = tmp_path / "six.txt"
+    path.write_text("\n".join(SIX) + "\n", encoding="utf-8")
+    return path
+
+
+def _rewrite_after_shards(monkeypatch, count: int, path: Path, content: str) -> None:
+    """``cat other > input`` once ``count`` shards are on disk, as a user changing the corpus would."""
+    real = store.write_shard
+    written = []
+
+    def write_then_change(*args, **kwargs):
+        result = real(*args, **kwargs)
+        written.append(result)
+        if len(written) == count:
+            path.write_text(content, encoding="utf-8")
+        return result
+
+    monkeypatch.setattr(store, "write_shard", write_then_change)
+
+
+def test_an_input_rewritten_in_place_is_refused_keeping_the_shards_written(
+    tiny_encoder, tmp_path, monkeypatch
+):
+    """Issue 69: the first shards held the old text and the rest the new, exit 0, the manifest recording
+    the old hash. Each shard's documents are checked before it is written, the rest at the end."""
+    corpus, out = tmp_path / "long.txt", tmp_path / "out"
+    # Documents of 4 kB: the reader's buffer (8 kB) then holds part of the input only when it changes.
+    long = [f"{text} {'and more words ' * 260}" for text in SIX]
+    corpus.write_text("\n".join(long) + "\n", encoding="utf-8")
+    _rewrite_after_shards(monkeypatch, 1, corpus, "\n".join(text.upper() for text in long) + "\n")
+    with pytest.raises(UserError, match=r"changed while it was read: .* up to document 4 differs") as raised:
+        bert_cluster.embed(tiny_encoder, corpus, out, **TWO_A_SHARD)
+    assert "the 1 shard(s) written before stay in" in str(raised.value) and "--overwrite" in str(raised.value)
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.parquet"]  # the old text's, whole
+    assert not (out / "manifest.json").exists()
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"other settings: input.content_sha256"):  # the same command again
+        bert_cluster.embed(tiny_encoder, corpus, out, **TWO_A_SHARD)
+    assert read_documents(corpus).documents[0].text.startswith("ONE SMALL TEXT AND MORE WORDS")
+    redone = bert_cluster.embed(tiny_encoder, corpus, out, overwrite=True, **TWO_A_SHARD)
+    assert redone.resumed_shards == 0 and redone.documents == 6
+
+
+def test_a_change_after_the_last_shard_is_caught_at_the_end_of_the_second_pass(
+    tiny_encoder, tmp_path, monkeypatch
+):
+    corpus, out = _six(tmp_path), tmp_path / "out"
+    _rewrite_after_shards(monkeypatch, 3, corpus, "\n".join(SIX) + "\n\nseven, added late\n")
+    with pytest.raises(UserError, match=r"changed while it was read: .* up to document 7 differs"):
+        bert_cluster.embed(tiny_encoder, corpus, out, **TWO_A_SHARD)
+    assert len(list(out.glob("shard-*"))) == 3 and not (out / "manifest.json").exists()
+
+
+def test_swapped_shards_are_embedded_again_not_resumed(tiny_encoder, tmp_path):
+    """Issue 69: two finished shards swapped by name made read_output call shard 0 damaged, and the
+    rerun it asked for resumed all of them and changed nothing: a loop."""
+    corpus, out = _six(tmp_path), tmp_path / "out"
+    bert_cluster.embed(tiny_encoder, corpus, out, **TWO_A_SHARD)
+    ids, before = matrix(out)
+    first, second = out / "shard-00000.parquet", out / "shard-00001.parquet"
+    first.rename(out / "swap"), second.rename(first), (out / "swap").rename(second)
+    with pytest.raises(UserError, match=r"shard shard-00000.parquet is damaged"):
+        read_output(out)
+    again = bert_cluster.embed(tiny_encoder, corpus, out, **TWO_A_SHARD)
+    assert again.damaged_shards == {
+        "shard-00000.parquet": "it holds other documents (ids '3' to '4') than this shard's (ids '1' to '2')",
+        "shard-00001.parquet": "it holds other documents (ids '1' to '2') than this shard's (ids '3' to '4')",
+    }
+    assert again.resumed_shards == 1
+    after_ids, after = matrix(out)
+    assert after_ids == ids == ["1", "2", "3", "4", "5", "6"]
+    assert np.array_equal(after.view(np.uint32), before.view(np.uint32))
+
+
+def test_a_lone_surrogate_is_skipped_by_line_not_a_tokenizer_error_after_shards(tiny_encoder, tmp_path):
+    corpus = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": text}) for text in SIX]
+    lines.insert(4, '{"text": "\\ud800 x"}')
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    done = CliRunner().invoke(
+        app, ["embed", str(tiny_encoder), str(corpus), "-o", str(tmp_path / "out"), "--exact", "-q"]
+    )
+    assert done.exit_code == 0, done.output
+    assert done.stderr.strip().splitlines() == [
+        "skipped 5 (line 5): not valid Unicode: a lone surrogate U+D800 at character 1, which no tokenizer "
+        "takes"
+    ]
+    assert matrix(tmp_path / "out")[0] == ["1", "2", "3", "4", "6", "7"]
+
+
+def test_a_record_without_an_id_is_reported_as_such(tiny_encoder, tmp_path):
+    corpus = tmp_path / "d.jsonl"
+    corpus.write_text('{"text": "no id here"}\n{"id": "1", "text": "the real one"}\n', encoding="utf-8")
+    arguments = ["embed", str(tiny_encoder), str(corpus), "-o", str(tmp_path / "out"), "--exact", "-q"]
+    done = CliRunner().invoke(app, [*arguments, "--id-field", "id"])
+    assert done.exit_code == 0, done.output
+    assert done.stderr.strip() == "skipped a record (line 1): no id (the id field is missing, null or empty)"
+    assert matrix(tmp_path / "out")[0] == ["1"]
+
+
+def test_an_output_in_the_model_folder_is_refused_overwrite_or_not(tiny_encoder, tmp_path):
+    """An output inside the model's folder changed the model's files as it was written (and so its
+    resume check); one that is the folder, or holds it, would mix with them."""
+    corpus = _six(tmp_path)
+    before = {p: p.read_bytes() for p in tiny_encoder.rglob("*") if p.is_file()}
+    (tmp_path / "link").symlink_to(tiny_encoder)
+    for out, where in [
+        (tiny_encoder / "embeddings", "lies inside the model folder"),
+        (tmp_path / "link" / "embeddings", "lies inside the model folder"),
+        (tmp_path / "link", "is the model folder"),
+        (tiny_encoder.parent, "holds the model folder"),
+    ]:
+        for overwrite in (False, True):
+            with pytest.raises(UserError, match=where):
+                bert_cluster.embed(tiny_encoder, corpus, out, overwrite=overwrite, **TWO_A_SHARD)
+    assert not (tiny_encoder / "embeddings").exists()
+    assert {p: p.read_bytes() for p in tiny_encoder.rglob("*") if p.is_file()} == before
+
+
+def test_a_damaged_shard_s_reason_is_cut_at_a_word(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    long = "Parquet magic bytes not found in footer: either the file is corrupted or this is not " * 3
+    monkeypatch.setattr(pq, "read_table", lambda path: (_ for _ in ()).throw(pa.ArrowInvalid(long)))
+    with pytest.raises(store.DamagedShard) as raised:
+        store.verify_shard(tmp_path / "shard-00000.parquet", "x")
+    reason = str(raised.value).removeprefix("it cannot be read: ")
+    assert reason.endswith(" ...") and long.startswith(reason.removesuffix(" ..."))
+    assert long[len(reason.removesuffix(" ..."))] == " "  # the cut falls between words

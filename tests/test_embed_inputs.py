@@ -126,8 +126,10 @@ def test_a_malformed_csv_is_refused_with_file_and_line(tmp_path):
     path.write_text('text,id\na,1\n\n"b",2,extra\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"line 4: 3 cells where the header has 2"):
         read_documents(path)
-    path.write_text('text\na\n"unclosed\nb\n', encoding="utf-8")
-    with pytest.raises(UserError, match=r"line 4: not valid CSV \(unexpected end of data\)"):
+    path.write_text('text\na\n"unclosed\nb\n', encoding="utf-8")  # the quote opens on line 3 (issue 69)
+    with pytest.raises(
+        UserError, match=r"line 3: not valid CSV \(a quote in the record starting on this line"
+    ):
         read_documents(path)
     path.write_bytes(b"text\na\nb\rc\n")  # a bare CR in an unquoted cell
     with pytest.raises(UserError, match=r"line 3: not valid CSV \(new-line character seen in unquoted field"):
@@ -157,16 +159,30 @@ def _start_lines(chunks: list[bytes]) -> list[int]:
     return starts
 
 
-def _expect_read(documents, problems, records: list[tuple[int, object]]) -> None:
-    """Each record (line, text) is one document with that text, or one problem saying why, by row id."""
+def _good(text: object) -> bool:
+    return isinstance(text, str) and text.strip() != ""
+
+
+def _expect_read(read, records: list[tuple[int, object]]) -> None:
+    """Each record (line, text) is one document with that text, or one problem saying why, by row id.
+
+    An input with no good record is refused, naming its first problem's line (issue 69: a text file of
+    blank lines was "0 documents" and exit 0, a JSONL file of them refused).
+    """
+    if not any(_good(text) for _, text in records):
+        assert isinstance(read, UserError), read
+        assert f"no documents to embed: every one of its {len(records)} record(s) is a problem " in str(read)
+        assert f"(line {records[0][0]}: " in str(read)
+        return
+    assert not isinstance(read, UserError), read
+    documents, problems = read
     by_line = {d.line: d for d in documents}
     reported = {p.line: p for p in problems}
     assert len(by_line) == len(documents) and len(reported) == len(problems)
     assert set(by_line).isdisjoint(reported)
     assert sorted([*by_line, *reported]) == [line for line, _ in records]
     for row, (line, text) in enumerate(records, start=1):
-        good = isinstance(text, str) and text.strip() != ""
-        if good:
+        if _good(text):
             assert by_line[line].text == text and by_line[line].id == str(row)
         else:
             assert reported[line].id == str(row)
@@ -202,9 +218,6 @@ def test_fuzz_text_files(tmp_path, lines, final_newline, crlf):
     if not kept:
         assert isinstance(read, UserError) and "no documents" in str(read)
         return
-    assert not isinstance(read, UserError), read
-    documents, problems = read
-    assert sorted([d.line for d in documents] + [p.line for p in problems]) == list(range(1, len(kept) + 1))
     texts = {}
     for number, raw in enumerate(kept, start=1):
         raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw
@@ -212,6 +225,13 @@ def test_fuzz_text_files(tmp_path, lines, final_newline, crlf):
             texts[number] = raw.decode("utf-8")
         except UnicodeDecodeError:
             texts[number] = None
+    if not any(_good(text) for text in texts.values()):  # nothing to embed: refused (issue 69)
+        assert isinstance(read, UserError) and "no documents to embed" in str(read), read
+        assert f"(line 1: {'empty' if kept[0] == b'' else ''}" in str(read)
+        return
+    assert not isinstance(read, UserError), read
+    documents, problems = read
+    assert sorted([d.line for d in documents] + [p.line for p in problems]) == list(range(1, len(kept) + 1))
     for document in documents:
         assert document.text == texts[document.line] and document.id == str(document.line)
     for problem in problems:  # undecodable, empty or blank: nothing else is skipped
@@ -268,8 +288,7 @@ def test_fuzz_jsonl(tmp_path, entries, ascii_only):
     elif not any("text" in value for _, value in records):
         assert isinstance(read, UserError) and "give --text-field" in str(read)
     else:
-        assert not isinstance(read, UserError), read
-        _expect_read(*read, [(line, value.get("text")) for line, value in records])
+        _expect_read(read, [(line, value.get("text")) for line, value in records])
 
 
 @FUZZ
@@ -299,10 +318,9 @@ def test_fuzz_csv(tmp_path, rows, terminator, encoding):
         line = data[: error.start].count(b"\n") + 1
         assert isinstance(read, UserError) and f"{path} line {line}: not valid UTF-8" in str(read), read
         return
-    assert not isinstance(read, UserError), read
     # What the bytes say in UTF-8 (a latin-1 file of ASCII and replaced characters decodes as itself).
     texts = [text.encode(encoding.removesuffix("-sig"), "replace").decode("utf-8") for text, _ in rows]
-    _expect_read(*read, list(zip(starts, texts, strict=True)))
+    _expect_read(read, list(zip(starts, texts, strict=True)))
 
 
 @FUZZ
@@ -315,3 +333,74 @@ def test_fuzz_random_bytes_never_raise_anything_but_a_user_error(tmp_path, data,
         documents, problems = read
         lines = data.count(b"\n") + 1
         assert all(1 <= item.line <= lines for item in [*documents, *problems])
+
+
+# --------------------------------------------------------------------------------------------------
+# One test per defect of issue 69 (the readers' part)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_lone_surrogate_is_a_problem_of_the_first_pass_named_by_its_line(tmp_path):
+    """A JSON escape can hold a lone surrogate, which no tokenizer takes: it was accepted by the first
+    pass and failed the second with a tokenizer TypeError, naming no line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "\\ud800 x"}\n{"text": "a \\udfff"}\n{"text": "ok"}\n')
+    read = read_documents(path)
+    assert [(d.id, d.line) for d in read.documents] == [("1", 1), ("4", 4)]
+    assert [(p.id, p.line, p.reason) for p in read.problems] == [
+        ("2", 2, "not valid Unicode: a lone surrogate U+D800 at character 1, which no tokenizer takes"),
+        ("3", 3, "not valid Unicode: a lone surrogate U+DFFF at character 3, which no tokenizer takes"),
+    ]
+    from bert_cluster.embedding import open_documents
+
+    scan = open_documents(path).scan()  # the pass a run makes before any work
+    assert [p.line for p in scan.problems] == [2, 3] and scan.documents == 2
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    elif path.suffix == ".csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["id", "text"])
+        writer.writerows([[record.get("id") or "", record["text"]] for record in records])
+        path.write_text(buffer.getvalue(), encoding="utf-8")
+    else:
+        import datasets
+
+        rows = {"id": [record.get("id") for record in records], "text": [r["text"] for r in records]}
+        datasets.Dataset.from_dict(rows).to_parquet(str(path))
+
+
+@pytest.mark.parametrize("ending", [".jsonl", ".csv", ".parquet"])
+@pytest.mark.parametrize("missing", [None, ""], ids=["null", "empty"])
+def test_a_record_without_an_id_never_takes_a_later_records_id(tmp_path, ending, missing):
+    """Issue 69: with --id-field, a record without an id took its row number "1", and the user's real
+    "1" that came later was dropped as a repeat; an empty id was an id in JSONL but none in CSV."""
+    path = tmp_path / f"d{ending}"
+    _write_records(path, [{"id": missing, "text": "no id"}, {"id": "1", "text": "the real one"}])
+    read = read_documents(path, id_field="id")
+    assert [(d.id, d.text) for d in read.documents] == [("1", "the real one")]
+    ((problem),) = read.problems
+    assert (problem.id, problem.line) == ("", 2 if ending == ".csv" else 1)
+    assert problem.reason == "no id (the id field is missing, null or empty)"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "first"),
+    [
+        ("blank.txt", b"\n\n  \n", "line 1: empty"),
+        ("empty-texts.jsonl", b'{"text": ""}\n{"text": " "}\n', "line 1: empty"),
+        ("empty-cells.csv", b'text\n""\n" "\n', "line 2: empty"),
+    ],
+)
+def test_an_input_with_nothing_to_embed_is_refused_in_every_format(tmp_path, name, content, first):
+    """Issue 69: a text file of blank lines embedded "0 documents" with exit 0, a JSONL file of blank
+    lines was refused."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(
+        UserError, match=r"no documents to embed: every one of its \d record\(s\) is a problem"
+    ) as e:
+        read_documents(tmp_path / name)
+    assert f"({first}; ...)" in str(e.value) and str(tmp_path / name) in str(e.value)

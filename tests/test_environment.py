@@ -82,19 +82,16 @@ def test_env_reports_the_same_keys():
 
 
 def _sources() -> list[Path]:
-    return sorted([*PACKAGE.rglob("*.py"), *(REPO / "scripts").glob("*.py")])
-
-
-#: Scripts that read a fact themselves, for now. bench_peers.py is new this session (issue 26.2) and runs
-#: in the peers' virtual environment: its machine() is to move onto environment.cpu_name.
-NOT_YET_MOVED = {REPO / "scripts" / "bench_peers.py"}
+    return sorted(
+        [*PACKAGE.rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), *(REPO / "scripts").glob("*.py")]
+    )
 
 
 def test_environment_variables_and_cpuinfo_have_one_reader():
     """No module but environment reads a BERT_CLUSTER_* variable or /proc/cpuinfo itself."""
     readers = []
     for path in _sources():
-        if path == PACKAGE / "environment.py" or path in NOT_YET_MOVED:
+        if path == PACKAGE / "environment.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             name = None

@@ -225,6 +225,14 @@ def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit
         (["--task", "rte", "--resume", "--overwrite"], "not both"),
         (["--task", "rte", "--learning-rate", "-1"], "learning_rate must be positive"),
         (["--task", "rte", "--max-length", "600", "--full"], "--max-length 600 is more than model"),
+        (
+            ["--task", "rte", "--lora", "--full"],
+            "give --lora (the default) or --full (every weight), not both",
+        ),
+        (
+            ["--task", "rte", "--full", "--lora"],
+            "give --lora (the default) or --full (every weight), not both",
+        ),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(setup, tmp_path, arguments, message):

@@ -1,4 +1,4 @@
-"""scripts/finetune_recovery.py in parts (issue 40, item 2): the results file after every step, ``--resume``
+"""benchmarks.finetune_recovery in parts (issue 40, item 2): the results file after every step, ``--resume``
 keeping what it holds and continuing an interrupted fine-tuning, and nothing replaced unasked."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 from test_finetune import write_train
 
 import bert_cluster
+from benchmarks import finetune_recovery
 from bert_cluster.finetuning import FinetuneInterrupted
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def Stop(step: int):  # noqa: N802 (a TrainerCallback class made on first use: t
 
 
 def test_a_run_in_parts_keeps_what_it_has_and_adds_the_seeds_asked_for(folders, tmp_path, monkeypatch):
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     calls = Calls(monkeypatch)
     script.main(arguments(folders, tmp_path, "--seeds", "1"))
     first = json.loads((tmp_path / "recovery.json").read_text())
@@ -82,7 +83,7 @@ def test_a_run_in_parts_keeps_what_it_has_and_adds_the_seeds_asked_for(folders, 
 
 
 def test_an_interrupted_fine_tuning_continues_from_its_checkpoint(folders, tmp_path, monkeypatch):
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     Calls(monkeypatch, interrupt_after=3)
     with pytest.raises(FinetuneInterrupted):
         script.main(arguments(folders, tmp_path))
@@ -98,7 +99,7 @@ def test_an_interrupted_fine_tuning_continues_from_its_checkpoint(folders, tmp_p
 
 
 def test_nothing_is_replaced_unasked_and_a_resume_keeps_the_settings(folders, tmp_path, monkeypatch):
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     output = tmp_path / "recovery.json"
     with pytest.raises(SystemExit, match="does not exist; run without --resume"):
         script.main(arguments(folders, tmp_path, "--resume"))
@@ -119,7 +120,7 @@ def test_nothing_is_replaced_unasked_and_a_resume_keeps_the_settings(folders, tm
 def test_a_clustered_arm_scored_before_the_revert_fix_is_scored_again(folders, tmp_path, monkeypatch):
     """A clustered arm without notes was scored "unmodified" as its saved C: --resume scores it again from
     its fine-tuning in --work (reverted: the notes name the saved settings), training nothing."""
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     Calls(monkeypatch)
     script.main(arguments(folders, tmp_path, "--seeds", "1"))
     output = tmp_path / "recovery.json"
@@ -141,7 +142,7 @@ def test_a_clustered_arm_scored_before_the_revert_fix_is_scored_again(folders, t
 
 
 def test_distill_reaches_each_arm_and_arms_runs_only_those_named(folders, tmp_path, monkeypatch):
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     calls = Calls(monkeypatch)
     script.main(arguments(folders, tmp_path, "--seeds", "1", "--distill", "1", "--arms", "clustered"))
     document = json.loads((tmp_path / "recovery.json").read_text())
@@ -157,7 +158,7 @@ def test_distill_reaches_each_arm_and_arms_runs_only_those_named(folders, tmp_pa
 
 
 def test_a_results_file_from_before_distill_resumes_as_undistilled(folders, tmp_path, monkeypatch):
-    script = helpers.load_script("finetune_recovery")
+    script = finetune_recovery
     calls = Calls(monkeypatch)
     script.main(arguments(folders, tmp_path, "--seeds", "1"))
     path = tmp_path / "recovery.json"
@@ -167,3 +168,29 @@ def test_a_results_file_from_before_distill_resumes_as_undistilled(folders, tmp_
     path.write_text(json.dumps(document))
     script.main(arguments(folders, tmp_path, "--seeds", "2", "--resume"))
     assert calls.seen[2:] == [(False, 1, False), (True, 1, False)]
+
+
+def test_the_control_that_moves_keeps_its_dropout_and_every_arm_records_how_far_it_moved(
+    folders, tmp_path, monkeypatch
+):
+    """Issue 67: the exact-dropout arm distils with the student's dropout on (the exact arm has no distance
+    to learn from), each arm records its weights' displacement from the checkpoint, and --score-seeds scores
+    every C with each hash seed."""
+    script = finetune_recovery
+    with pytest.raises(SystemExit):  # dropout is on anyway when fine-tuning on the labels
+        script.main(arguments(folders, tmp_path, "--arms", "exact-dropout"))
+    calls = Calls(monkeypatch)
+    more = ("--seeds", "1", "--distill", "1", "--arms", "exact", "exact-dropout", "--score-seeds", "0", "1")
+    script.main(arguments(folders, tmp_path, *more))
+    assert calls.seen == [(True, 0, False), (True, 0, False)]
+    arms = json.loads((tmp_path / "recovery.json").read_text())["tasks"]["rte"]["seeds"]["0"]
+    assert set(arms) == {"exact", "exact-dropout"}
+    for name, dropout in (("exact", False), ("exact-dropout", True)):
+        trained = json.loads((tmp_path / "work" / f"rte-{name}-seed0" / "finetune.json").read_text())
+        assert trained["settings"]["distill_dropout"] is dropout and trained["settings"]["attention"] is None
+        moved = arms[name]["displacement"]
+        assert moved["all"] == pytest.approx((moved["encoder"] ** 2 + moved["head"] ** 2) ** 0.5)
+        assert set(arms[name]["scores"]) == {"unmodified", "C=2 seed=0", "C=2 seed=1"}
+    # Without dropout the student starts at its teacher: a distance of float rounding; with it, dropout's.
+    assert arms["exact"]["final_loss"] < 1e-4 < arms["exact-dropout"]["final_loss"]
+    assert arms["exact-dropout"]["displacement"]["all"] > 0

@@ -12,6 +12,7 @@ import torch
 from families import ALSO_ROUTED, HALF_WINDOW, HYBRID, REFUSED, SUPPORTED, tiny_config, tiny_model
 
 import bert_cluster
+from bert_cluster.hf import ATTENTION_NAME
 
 LENGTHS = (48, 37, 29)  # valid tokens per row; clusters=3 < 29, so every row is really clustered
 
@@ -55,7 +56,7 @@ def test_every_family_is_exact_when_topk_covers_every_key(family):
     bert_cluster.convert(
         model, clusters=4, topk=64, min_length=0
     )  # k >= N: exact, so the whole model must match
-    assert model.config._attn_implementation == "bert_cluster"
+    assert model.config._attn_implementation == ATTENTION_NAME
     exact = run(model, ids, mask).last_hidden_state
     # measured: at most 3.5e-6 over the families (float32 summation order); hybrid families' local layers
     # go through the exact band, their global layers through clustering with k >= N
@@ -142,7 +143,7 @@ def test_save_and_from_pretrained_keep_the_patch(family, tmp_path):
     expected = run(model, ids, mask).last_hidden_state
     model.save_pretrained(tmp_path)
     reloaded = AutoModel.from_pretrained(tmp_path).eval()
-    assert reloaded.config._attn_implementation == "bert_cluster"
+    assert reloaded.config._attn_implementation == ATTENTION_NAME
     assert reloaded.config.clustered_attention["seed"] == 5
     assert torch.equal(run(reloaded, ids, mask).last_hidden_state, expected)
 
@@ -162,7 +163,7 @@ def test_save_and_reload_in_a_fresh_interpreter(tmp_path):
         from transformers import AutoModel
         io = torch.load({str(tmp_path / "io.pt")!r})
         model = AutoModel.from_pretrained({str(tmp_path / "m")!r}).eval()
-        assert model.config._attn_implementation == "bert_cluster", model.config._attn_implementation
+        assert model.config._attn_implementation == {ATTENTION_NAME!r}, model.config._attn_implementation
         with torch.inference_mode():
             out = model(input_ids=io["ids"], attention_mask=io["mask"]).last_hidden_state
         print(float((out - io["expected"]).abs().max()))
@@ -218,18 +219,17 @@ def test_the_compiled_op_returns_the_layout_its_fake_promises(rows):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bert_cluster import attention
+    from bert_cluster.config import number_of
 
     torch.manual_seed(4)
     query, key, value = torch.randn(3, 2, 4, 40, 8).unbind(0)
     valid = torch.ones(2, 40, dtype=torch.bool)
     if rows in ("exact-padded", "mixed"):
         valid[1, 3:] = False  # 3 valid tokens: at most C, so exact attention
-    settings = attention._config_args(bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=0))
+    config = bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=0)
     if rows.startswith("exact"):
-        settings = attention._config_args(
-            bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=100)
-        )
-    args = (query, key, value, valid, *settings, 8**-0.5, 0, 0.0, 0)  # layer 0, no dropout
+        config = bert_cluster.ClusteredAttentionConfig(clusters=4, topk=5, min_length=100)
+    args = (query, key, value, valid, number_of(config), 8**-0.5, 0, 0.0, 0)  # layer 0, no dropout
     out = attention._clustered_attention_op(*args)
     with FakeTensorMode() as mode:
         fake = attention._clustered_attention_op(
@@ -317,7 +317,7 @@ def test_families_outside_the_attention_interface_are_refused_with_the_reason(fa
     with pytest.raises(ValueError, match=rf"model family '{family}' .*computes attention in its own code"):
         bert_cluster.convert(model)
     assert not hasattr(model.config, "clustered_attention")
-    assert model.config._attn_implementation != "bert_cluster"
+    assert model.config._attn_implementation != ATTENTION_NAME
 
 
 def test_decoders_are_refused():
@@ -452,7 +452,7 @@ def test_convert_patches_only_the_model_converted_when_two_share_a_config():
     ids, mask, _ = padded_batch(first)
     before = run(second, ids, mask).last_hidden_state
     bert_cluster.convert(first, clusters=2, topk=2, min_length=0)
-    assert first.config._attn_implementation == "bert_cluster"
+    assert first.config._attn_implementation == ATTENTION_NAME
     assert second.config._attn_implementation == "sdpa"
     assert not hasattr(config, "clustered_attention")
     assert torch.equal(run(second, ids, mask).last_hidden_state, before)

@@ -10,6 +10,7 @@ imports the package's facade (``bert_cluster``).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,119 @@ def test_the_check_finds_each_kind_of_break(module, source, message):
     files[module] = source
     found = violations(files, packages)
     assert any(message in problem and problem.startswith(module) for problem in found), found
+
+
+# --- benchmarks/ and the rest of the checkout ------------------------------------------------------------
+
+REPO = PACKAGE.parent
+BENCHMARKS = REPO / "benchmarks"
+#: Edits of the import path: what a package layout (``python -m``, pytest's ``pythonpath``) makes unneeded.
+PATH_EDIT = re.compile(
+    r"sys\.path\s*(\.\s*(insert|append|extend|remove|pop)\s*\(|\[[^\]]*\]\s*=|\+?=)|addsitedir\("
+)
+
+
+def hidden(*parts: str) -> bool:
+    """A ``_x`` among the parts (a dunder such as ``__version__`` is public)."""
+    return any(part.startswith("_") and not part.startswith("__") for part in parts)
+
+
+def private_reaches(source: str) -> list[str]:
+    """Each private name of bert_cluster that ``source`` imports or reaches through an imported module
+    (``from bert_cluster._build import ...``, ``from bert_cluster.crossover import _read``,
+    ``attention._clustered = ...``)."""
+    found, bound = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == FACADE:
+                    bound.add((alias.asname or alias.name).split(".")[0])
+                    if hidden(*alias.name.split(".")[1:]):
+                        found.append(f"line {node.lineno}: import {alias.name}")
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == FACADE
+            and not node.level
+        ):
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if hidden(*node.module.split(".")[1:], alias.name):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and hidden(node.attr)
+        ):
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def python_files() -> list[Path]:
+    """Every Python file of the checkout: the package, benchmarks, scripts, tests, setup.py."""
+    skipped = {".venv", ".venv-cuda", ".venv-peers", ".venv-gpusw", "build", ".git"}
+    return sorted(path for path in REPO.rglob("*.py") if not skipped & set(path.relative_to(REPO).parts[:1]))
+
+
+def test_benchmarks_use_only_the_packages_public_names():
+    """Issue 70: a benchmark that needs an internal gets a public hook (``attention.replaced_steps``,
+    ``crossover.stored``), never a private import or a monkeypatch."""
+    found = {
+        str(path.relative_to(REPO)): reaches
+        for path in sorted(BENCHMARKS.glob("*.py"))
+        if (reaches := private_reaches(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
+
+
+def test_no_file_edits_the_import_path():
+    """Issue 70: scripts, benchmarks and tests import each other as packages, not through ``sys.path``."""
+    edits = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in python_files()
+        if path != Path(__file__).resolve()  # this file's examples of edits, below
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if PATH_EDIT.search(line)
+    ]
+    assert edits == []
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        (
+            "from bert_cluster._build import build_info\n",
+            ["line 1: from bert_cluster._build import build_info"],
+        ),
+        ("from bert_cluster.crossover import _read\n", ["line 1: from bert_cluster.crossover import _read"]),
+        ("from bert_cluster import _hook\n", ["line 1: from bert_cluster import _hook"]),
+        ("import bert_cluster._loader\n", ["line 1: import bert_cluster._loader"]),
+        (
+            "from bert_cluster import attention\nattention._clustered = None\n",
+            ["line 2: attention._clustered"],
+        ),
+        ("import bert_cluster\nbert_cluster._hook.install()\n", ["line 2: bert_cluster._hook"]),
+        ("from bert_cluster import crossover\ncrossover.stored()\n", []),
+        ("from bert_cluster import __version__\nimport os\nos._exit(0)\n", []),
+    ],
+)
+def test_the_public_name_check_finds_each_private_reach(source, found):
+    assert private_reaches(source) == found
+
+
+@pytest.mark.parametrize(
+    ("line", "edit"),
+    [
+        ("sys.path.insert(0, str(ROOT))", True),
+        ('"import sys; sys.path.insert(0, sys.argv[1]); import bench_attention"', True),
+        ("sys.path.append(folder)", True),
+        ("sys.path[:0] = [folder]", True),
+        ("sys.path += [folder]", True),
+        ("site.addsitedir(folder)", True),
+        ("print(sys.path)", False),
+        ("# a script run from the package (its folder first on sys.path) gets the stdlib inspect", False),
+    ],
+)
+def test_the_path_edit_check_finds_each_kind_of_edit(line, edit):
+    assert bool(PATH_EDIT.search(line)) is edit

@@ -1,4 +1,4 @@
-"""scripts/long_document_fidelity.py (issue 40, item 3): settings parsed or refused with exit 2, and a run on
+"""benchmarks.long_document_fidelity (issue 40, item 3): settings parsed or refused with exit 2, and a run on
 a small random sentence-transformer that tells an approximation from exact attention."""
 
 from __future__ import annotations
@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import load_script, save_sentence_transformer
+from helpers import save_sentence_transformer
+
+from benchmarks import long_document_fidelity
 
 
 def _script():
-    return load_script("long_document_fidelity")
+    return long_document_fidelity
 
 
 def test_settings_parse_and_bad_ones_exit_2_with_one_line(tmp_path, capsys):

@@ -11,7 +11,7 @@ from bert_cluster.config import ClusteredAttentionConfig
 
 
 def test_an_equal_config_object_reuses_the_plan(monkeypatch):
-    """torch.compile's op builds a new config per call: equal settings must still hit the cache."""
+    """Two config objects with equal settings (a reloaded checkpoint's, say) share one plan."""
     calls = []
     original = attention._make_plan
     monkeypatch.setattr(attention, "_make_plan", lambda *a: calls.append(1) or original(*a))

@@ -1,4 +1,4 @@
-"""scripts/prediction_agreement.py: the distance of fine-tuned models from their checkpoint's predictions."""
+"""benchmarks.prediction_agreement: the distance of fine-tuned models from their checkpoint's predictions."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import helpers
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from benchmarks import prediction_agreement
 
 
 def test_the_checkpoint_agrees_with_itself_and_a_changed_head_does_not(tmp_path):
@@ -23,7 +25,7 @@ def test_the_checkpoint_agrees_with_itself_and_a_changed_head_does_not(tmp_path)
     weights = load_file(changed / "model.safetensors")
     weights["classifier.bias"] = weights["classifier.bias"] + torch.tensor([3.0, -3.0])  # class 0 always
     save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
-    script = helpers.load_script("prediction_agreement")
+    script = prediction_agreement
     output = tmp_path / "agreement.json"
     arguments = ["--checkpoint", str(checkpoint), "--task", "rte", "--work", str(work), "--clusters", "2"]
     script.main([*arguments, "--data-dir", str(data), "--output", str(output)])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bert_cluster
+from bert_cluster.hf import ATTENTION_NAME
 
 # Lengths from 3 to ~130 tokens: with clusters=4 every row longer than 4 tokens is clustered.
 TEXTS = [
@@ -31,7 +32,7 @@ def test_a_converted_sentence_transformer_is_exact_when_topk_covers_every_key(en
     plain = encode(encoder)
     assert bert_cluster.convert(encoder, clusters=4, topk=512, min_length=0) is encoder
     inner = encoder[0].model
-    assert inner.config._attn_implementation == "bert_cluster"
+    assert inner.config._attn_implementation == ATTENTION_NAME
     assert inner.config.clustered_attention["clusters"] == 4
     assert float((encode(encoder) - plain).abs().max()) < 1e-5  # measured 1.5e-7
     bert_cluster.convert(encoder, clusters=4, topk=2, min_length=0)

@@ -7,10 +7,17 @@ one record a row (quoted cells may hold newlines; every cell is text, ``NA`` and
 JSON and parquet files, ``datasets`` folders (``save_to_disk``), folders of data files of one format and
 dataset names (the hub, when online) go through ``datasets``. ``package:squad-articles`` names the 48
 SQuAD v1.1 dev articles shipped in ``bert_cluster/data`` (the long documents of the demo).
-Empty, whitespace-only, undecodable or non-string texts and repeated ids become ``Problem`` records:
-never dropped silently, never embedded. A JSONL or CSV file that is malformed (a line that is not UTF-8
-or not a JSON object, a row with more cells than the header) is refused, naming its file and line; an
-input without a single record is refused too ("no documents").
+Empty, whitespace-only, undecodable or non-string texts, texts no tokenizer takes (a lone surrogate,
+which a JSON escape can hold), records without an id where ids are asked for (a missing, null or empty
+id, in every format) and repeated ids become ``Problem`` records: never dropped silently, never
+embedded. A JSONL or CSV file that is malformed (a line that is not UTF-8 or not a JSON object, a row
+with more cells than the header) is refused, naming its file and line; an input without a single
+record, or without a single record to embed, is refused too ("no documents").
+
+The first pass (``Input.scan``) records the content hash of the input after each shard's last document
+and a hash of each shard's ids; the second (``Input.documents``) checks the first at each shard's end
+and at the input's end, so an input changed between the passes is refused before a shard of other
+documents is written, and a resume checks the second against the shards on disk.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bert_cluster.embedding.plan import ids_sha256
 from bert_cluster.errors import UserError, one_line
 
 #: File endings read as tables (with or without .gz): JSONL and CSV here, the others through
@@ -78,6 +86,18 @@ class Corpus:
     fingerprint: str
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardSpan:
+    """What the first pass read of one shard's documents: the second pass and a resume check against it."""
+
+    first_id: str
+    last_id: str
+    #: ``plan.ids_sha256`` of the shard's ids, in order: which documents a shard file must hold.
+    ids_sha256: str
+    #: The input's content hash (``Corpus.fingerprint`` so far) right after the shard's last document.
+    content_sha256: str
+
+
 @dataclasses.dataclass
 class Scan:
     """What a pass over an input finds without keeping its documents: enough to plan and check a run."""
@@ -88,6 +108,14 @@ class Scan:
     problems: list[Problem]
     #: ``Corpus.fingerprint`` of the same input.
     fingerprint: str
+    #: Documents per shard the spans were taken for (None: no spans).
+    shard_size: int | None = None
+    #: One per shard of ``shard_size`` documents, in order.
+    spans: list[ShardSpan] = dataclasses.field(default_factory=list)
+
+
+class InputChanged(UserError):
+    """The second pass over an input read other content than the first (the file changed meanwhile)."""
 
 
 def _text_problem(text: Any) -> str | None:
@@ -100,6 +128,13 @@ def _text_problem(text: Any) -> str | None:
         return "empty"
     if not text.strip():
         return "whitespace only"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate (a JSON escape such as \ud800)
+        return (
+            f"not valid Unicode: a lone surrogate U+{ord(text[error.start]):04X} at character "
+            f"{error.start + 1}, which no tokenizer takes"
+        )
     return None
 
 
@@ -116,9 +151,20 @@ class _Classifier:
         self.digest = hashlib.sha256()
 
     def record(self, identifier: Any, text: Any, line: int, row: int | None = None) -> Document | Problem:
-        """One record; without an id its id is ``row`` (its number among the records), else ``line``."""
-        identifier = str(line if row is None else row) if identifier is None else str(identifier)
+        """One record; its id is ``row`` (its number among the records), else ``line``, where no id field is.
+
+        Where ids are asked for, a record without one (missing, null or empty) is a problem: a number
+        given in its place could be an id that a later record holds.
+        """
         reason = _text_problem(text)
+        if identifier is None or identifier == "":
+            if self.unique_ids:
+                identifier = str(line if row is None else row)
+            else:
+                identifier = ""
+                reason = reason or "no id (the id field is missing, null or empty)"
+        else:
+            identifier = str(identifier)
         if reason is None and identifier in self.first_line:
             reason = f"repeated id (first at line {self.first_line[identifier]})"
         if reason is not None:
@@ -145,40 +191,81 @@ class Input:
 
     ``scan`` reads it once to its end (the fingerprint, the counts, the problems, and every refusal of a
     malformed input), keeping no document; ``documents`` then yields its documents in order, one at a
-    time. Both classify the records the same way, so ``documents`` yields ``scan().documents`` of them.
+    time. Both classify the records the same way, so ``documents`` yields ``scan().documents`` of them,
+    and after a scan it checks that it does (``InputChanged`` otherwise).
     """
 
     def __init__(self, source: str, records: Records, unique_ids: bool) -> None:
         self.source = source
         self._records = records
         self._unique_ids = unique_ids
+        self._scanned: Scan | None = None
 
     def _items(self, classifier: _Classifier) -> Iterator[Document | Problem]:
         return self._records(classifier)
 
-    def scan(self) -> Scan:
-        """One pass to the end, holding no document.
+    def scan(self, shard_size: int | None = None) -> Scan:
+        """One pass to the end, holding no document; with ``shard_size``, each shard's ``ShardSpan`` too.
 
         Raises:
             UserError: the input is malformed (file and line named), a field is not a column, or it holds
-                no record.
+                no document to embed.
         """
         classifier = _Classifier(self._unique_ids)
-        documents, problems = 0, []
+        documents, problems, spans = 0, [], []
+        ids: list[str] = []  # of the shard being read
         for item in self._items(classifier):
-            if isinstance(item, Document):
-                documents += 1
-            else:
+            if not isinstance(item, Document):
                 problems.append(item)
-        if not documents and not problems:
-            raise UserError(f"{self.source}: no documents (the input holds no record)")
-        return Scan(self.source, documents, problems, classifier.digest.hexdigest())
+                continue
+            documents += 1
+            if shard_size is not None:
+                ids.append(item.id)
+                after = classifier.digest.copy()  # the problems after the last document are no shard's
+                if len(ids) == shard_size:
+                    spans.append(_span(ids, after))
+                    ids = []
+        if ids:
+            spans.append(_span(ids, after))
+        _refuse_nothing_to_embed(self.source, documents, problems)
+        self._scanned = Scan(
+            self.source, documents, problems, classifier.digest.hexdigest(), shard_size, spans
+        )
+        return self._scanned
 
     def documents(self) -> Iterator[Document]:
-        """The documents, in input order, read as they are asked for (problems are left out)."""
-        for item in self._items(_Classifier(self._unique_ids)):
-            if isinstance(item, Document):
-                yield item
+        """The documents, in input order, read as they are asked for (problems are left out).
+
+        After ``scan``, the content read is checked against the scan's at each shard's last document
+        (before it is yielded) and at the end.
+
+        Raises:
+            InputChanged: the input's content differs from what ``scan`` read.
+        """
+        expected = self._scanned
+        size = expected.shard_size if expected is not None else None
+        classifier = _Classifier(self._unique_ids)
+        count = 0
+        for item in self._items(classifier):
+            if not isinstance(item, Document):
+                continue
+            count += 1
+            if expected is not None and size:
+                index = (count - 1) // size
+                if index >= len(expected.spans):  # more documents than the first pass read
+                    raise self._changed(count)
+                ends_shard = count % size == 0 or count == expected.documents
+                if ends_shard and classifier.digest.hexdigest() != expected.spans[index].content_sha256:
+                    raise self._changed(count)
+            yield item
+        if expected is not None and classifier.digest.hexdigest() != expected.fingerprint:
+            raise self._changed(count)
+
+    def _changed(self, count: int) -> InputChanged:
+        return InputChanged(
+            f"{self.source} changed while it was read: what its second pass read up to document {count} "
+            "differs from its first pass's (content sha256)"
+        )
 
     def corpus(self) -> Corpus:
         """Every document in memory, with the problems and the fingerprint (small inputs, tests)."""
@@ -186,9 +273,25 @@ class Input:
         documents, problems = [], []
         for item in self._items(classifier):
             (documents if isinstance(item, Document) else problems).append(item)
-        if not documents and not problems:
-            raise UserError(f"{self.source}: no documents (the input holds no record)")
+        _refuse_nothing_to_embed(self.source, len(documents), problems)
         return Corpus(documents, problems, self.source, classifier.digest.hexdigest())
+
+
+def _span(ids: list[str], content: Any) -> ShardSpan:
+    return ShardSpan(ids[0], ids[-1], ids_sha256(ids), content.hexdigest())
+
+
+def _refuse_nothing_to_embed(source: str, documents: int, problems: list[Problem]) -> None:
+    """An input without a record, or whose every record is a problem, is refused: there is nothing to do."""
+    if documents:
+        return
+    if not problems:
+        raise UserError(f"{source}: no documents (the input holds no record)")
+    first = problems[0]
+    raise UserError(
+        f"{source}: no documents to embed: every one of its {len(problems)} record(s) is a problem "
+        f"(line {first.line}: {first.reason}{'; ...' if len(problems) > 1 else ''})"
+    )
 
 
 def _file_lines(path: Path) -> Iterator[bytes]:
@@ -239,11 +342,6 @@ def _text_records(path: Path) -> Records:
     return records
 
 
-def read_text_lines(path: Path) -> Corpus:
-    """One document a line (LF or CRLF); ids are line numbers; a final newline ends the last line."""
-    return Input(str(path), _text_records(path), unique_ids=True).corpus()
-
-
 def _jsonl_records(path: Path, text_field: str | None, id_field: str | None) -> Records:
     """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
 
@@ -280,16 +378,6 @@ def _jsonl_records(path: Path, text_field: str | None, id_field: str | None) -> 
     return records
 
 
-def read_jsonl(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
-    """One JSON object a line; blank lines are skipped but counted, so ``line`` is the editor's line.
-
-    Raises:
-        UserError: a line is not UTF-8, not JSON or not an object (file and line named), a field is not
-            among the objects' keys, or the file holds no object.
-    """
-    return Input(str(path), _jsonl_records(path, text_field, id_field), id_field is None).corpus()
-
-
 def _json_type(value: Any) -> str:
     names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
@@ -302,11 +390,12 @@ def _csv_records(path: Path, text_field: str | None, id_field: str | None) -> Re
 
     def records(classifier: _Classifier) -> Iterator[Document | Problem]:
         # Lines keep their endings: a CR inside a quoted cell is the cell's (the parser drops a row's CRLF).
-        def decoded() -> Iterator[
-            str
-        ]:  # lazily, so that an undecodable line is named when the parser reaches it
+        ended = []  # set once the parser has read the last line
+
+        def decoded() -> Iterator[str]:  # lazily: an undecodable line is named when the parser reaches it
             for number, raw in enumerate(_file_lines(path), start=1):
                 yield _decoded(path, number, raw)
+            ended.append(True)
 
         reader = csv.reader(decoded(), strict=True)
         header: list[str] | None = None
@@ -321,6 +410,11 @@ def _csv_records(path: Path, text_field: str | None, id_field: str | None) -> Re
             except StopIteration:
                 break
             except csv.Error as error:
+                if ended:  # the file ended inside a quoted cell: name the record's first line, not the last
+                    raise UserError(
+                        f"{path} line {start}: not valid CSV (a quote in the record starting on this line is "
+                        "never closed)"
+                    ) from None
                 raise UserError(f"{path} line {reader.line_num}: not valid CSV ({error})") from None
             finally:
                 csv.field_size_limit(limit)
@@ -354,19 +448,6 @@ def _csv_records(path: Path, text_field: str | None, id_field: str | None) -> Re
             raise fields_error
 
     return records
-
-
-def read_csv(path: Path, text_field: str | None = None, id_field: str | None = None) -> Corpus:
-    """A header, then one record a row; every cell is text (no NA parsing: ``NA``, ``null`` are text).
-
-    ``line`` is the line a record starts on (the header is line 1; quoted cells may span lines); an
-    empty id cell means no id (the row number). A row with fewer cells than the header lacks the rest.
-
-    Raises:
-        UserError: a line is not UTF-8, the CSV is malformed (an unclosed quote, text after a closing
-            quote, more cells than the header) or a field is not a column: file and line named.
-    """
-    return Input(str(path), _csv_records(path, text_field, id_field), id_field is None).corpus()
 
 
 def _dataset_records(dataset: Any, text_field: str, id_field: str | None) -> Records:

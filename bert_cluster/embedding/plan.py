@@ -13,7 +13,8 @@ resumed or a multi-process output equal a one-process run's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 #: Texts per tokenizer call while counting tokens (a fast tokenizer spreads a call over its threads).
@@ -37,6 +38,15 @@ class Shard:
 def shard_name(index: int) -> str:
     """The file name of shard ``index`` in the output folder."""
     return f"shard-{index:05d}.parquet"
+
+
+def ids_sha256(ids: Iterable[str]) -> str:
+    """sha256 of a shard's ids in order (each length-prefixed): which documents the shard holds."""
+    digest = hashlib.sha256()
+    for identifier in ids:
+        encoded = identifier.encode("utf-8", "surrogatepass")
+        digest.update(len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
 
 
 def shard_names(documents: int, shard_size: int) -> list[str]:

@@ -12,6 +12,7 @@ holds one shard of documents whatever the corpus's size. Every document is encod
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -23,7 +24,7 @@ from typing import Any
 from bert_cluster import config as presets
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.embedding import store
-from bert_cluster.embedding.documents import Document, Input, Problem, Scan, open_documents
+from bert_cluster.embedding.documents import Document, Input, InputChanged, Problem, Scan, open_documents
 from bert_cluster.embedding.plan import Shard, batches_within, count_tokens, shard_names
 from bert_cluster.errors import UserError, positive_int
 
@@ -221,6 +222,9 @@ def embed(
     output = Path(output).expanduser()
     if output.exists() and not output.is_dir():
         raise UserError(f"output {output} exists and is not a folder")
+    from bert_cluster.checkpoints import check_apart
+
+    check_apart(model, output)  # before the lock, which creates the folder
 
     from bert_cluster.parallel import Workers
 
@@ -238,7 +242,8 @@ def embed(
         if failures:
             raise UserError(failures[0])
         source = open_documents(input, text_field, id_field, json_field, split)
-        scan = source.scan()  # to the end, keeping no document: the counts, the hash, any refusal
+        # To the end, keeping no document: the counts, the hashes (the whole and each shard's), any refusal.
+        scan = source.scan(shard_size)
         encoder = _load(model, workers.device(device), dtype)
         if max_length is None:
             max_length = encoder.positions or encoder.model.max_seq_length
@@ -293,7 +298,8 @@ def embed(
         share = plan[workers.rank :: workers.count]
         # Every shard of this process's share on disk is read and its checksum recomputed: a damaged one
         # is embedded again.
-        done, damaged, truncated = store.complete_shards(output, key, share)
+        spans = dict(zip(plan, scan.spans, strict=True))
+        done, damaged, truncated = store.complete_shards(output, key, share, spans)
         mine = [index for index in range(workers.rank, len(plan), workers.count) if plan[index] not in done]
         began = time.perf_counter()
         documents, tokens, written = _run_shards(
@@ -400,8 +406,15 @@ def _run_shards(
                 table = _shard_table(shard_documents, counts, vectors, max_length, key)
                 checksum = store.write_shard(output, shard.name, table)[1]
                 written[shard.name] = (checksum, sum(count > max_length for count in counts))
+            if wanted:  # the rest of the input, read for its hash: a change after the last shard shows too
+                collections.deque(stream, maxlen=0)
     except KeyboardInterrupt:
         raise EmbedInterrupted(output, complete + len(written), complete + len(wanted)) from None
+    except InputChanged as error:  # each shard is checked before it is written: those on disk are sound
+        raise UserError(
+            f"{error}; the {complete + len(written)} shard(s) written before stay in {output}: once the "
+            "input stays as it is, run again with --overwrite"
+        ) from None
     finally:
         stream.close()  # a file left open by a reader that stopped early
     return documents, tokens, written

@@ -6,7 +6,9 @@ continues only with the same settings and is refused otherwise, naming the setti
 ``OUT/shard-NNNNN.parquet`` is written to a temporary file, flushed to disk and renamed into place, so a
 shard file that exists is whole; its schema metadata holds the settings' hash and a sha256 of its
 content (ids, embeddings, token counts, truncation flags), which a resume and ``read_output`` recompute:
-a damaged shard is embedded again on resume and named by ``read_output``. ``OUT/manifest.json`` comes
+a damaged shard is embedded again on resume and named by ``read_output``. A resume also checks that
+each shard holds the documents the input's first pass puts in it (the hash of its ids): a shard file
+renamed or swapped with another is embedded again too. ``OUT/manifest.json`` comes
 last: it says the output is whole and lists every shard's checksum. ``OUT/.lock`` (``fcntl.flock``,
 released by the system when its process dies, even by ``kill -9``) keeps a second run out while one
 writes. ``--overwrite`` removes only the files the folder's own state lists (state, manifest, shards
@@ -20,10 +22,13 @@ import hashlib
 import json
 import os
 import re
+import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from bert_cluster.embedding.documents import ShardSpan
+from bert_cluster.embedding.plan import ids_sha256
 from bert_cluster.errors import UserError
 
 STATE = "state.json"
@@ -133,7 +138,8 @@ def verify_shard(path: Path, fingerprint: str, checksum: str | None = None) -> t
     try:
         table = pq.read_table(path)
     except (OSError, ValueError, pa.ArrowException) as error:
-        raise DamagedShard(f"it cannot be read: {' '.join(str(error).split())[:120]}") from None
+        why = textwrap.shorten(str(error), 120, placeholder=" ...")  # whole words, never cut mid-word
+        raise DamagedShard(f"it cannot be read: {why}") from None
     metadata = table.schema.metadata or {}
     if metadata.get(FINGERPRINT_KEY) != fingerprint.encode():
         raise DamagedShard("it was written with other settings")
@@ -327,12 +333,13 @@ def prepare(output: Path, settings: Mapping[str, Any], overwrite: bool, shards: 
 
 
 def complete_shards(
-    output: Path, fingerprint: str, names: list[str]
+    output: Path, fingerprint: str, names: list[str], spans: Mapping[str, ShardSpan]
 ) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
     """Of the shards ``names``: those sound (name: checksum), damaged (name: why), and truncated counts.
 
-    The third maps each sound shard to how many of its documents were truncated. Each is read whole and
-    its checksum recomputed; a missing shard is in neither.
+    The third maps each sound shard to how many of its documents were truncated. Each is read whole, its
+    checksum recomputed and its ids compared with ``spans[name]`` (what the input's first pass puts in
+    it); a missing shard is in neither.
     """
     done, damaged, truncated = {}, {}, {}
     for name in names:
@@ -340,12 +347,24 @@ def complete_shards(
         if not path.is_file():
             continue
         try:
-            table, done[name] = verify_shard(path, fingerprint)
+            table, checksum = verify_shard(path, fingerprint)
+            _check_documents(table.column("id").to_pylist(), spans[name])
         except DamagedShard as error:
             damaged[name] = str(error)
             continue
+        done[name] = checksum
         truncated[name] = sum(table.column("truncated").to_pylist())
     return done, damaged, truncated
+
+
+def _check_documents(ids: list[str], span: ShardSpan) -> None:
+    """Refuse a shard that holds other documents than ``span`` (a shard file renamed or swapped)."""
+    if ids_sha256(ids) == span.ids_sha256:
+        return
+    held = f"ids {ids[0]!r} to {ids[-1]!r}" if ids else "no document"
+    raise DamagedShard(
+        f"it holds other documents ({held}) than this shard's (ids {span.first_id!r} to {span.last_id!r})"
+    )
 
 
 def read_output(output: str | Path) -> Any:

@@ -128,11 +128,12 @@ def _swept(
     clusters: int | str | Sequence[int] | None,
     mode: str | Sequence[str] | None,
     seeds: int | Sequence[int] | None,
-) -> tuple[Any, Any, Any]:
+) -> tuple[tuple[int, ...], Any, Any]:
     """The swept C, modes and seeds: the arguments, else what ``attention`` sets, else the preset's.
 
     ``attention`` sets a value when a mapping names it, or when a config object's value differs from the
-    preset's (``ClusteredAttentionConfig.for_evaluation()``); ``base`` is that config, validated.
+    preset's (``ClusteredAttentionConfig.for_evaluation()``); ``base`` is that config, validated. The
+    cluster counts come back parsed (the one place they are).
 
     Raises:
         UserError: ``attention`` sets one of them and the argument says otherwise (one would be lost).
@@ -156,11 +157,9 @@ def _swept(
                 f"attention= sets {name}={getattr(base, name)!r} and {arguments[name]}= says {shown}: "
                 f"give {name} in one place"
             )
-    if clusters is None:
-        clusters = base.clusters
     if seeds is None:
         seeds = [base.seed]
-    return clusters, mode, seeds
+    return given["clusters"] or (base.clusters,), mode, seeds
 
 
 def evaluate(
@@ -238,7 +237,7 @@ def evaluate(
     plan = runner.RunPlan(
         model=resolve_model(model),
         tasks=task_configs,
-        clusters=parse_clusters(clusters),
+        clusters=clusters,
         seeds=runner.parse_seeds(seeds),
         attention=base,
         modes=tuple(dict.fromkeys(modes)),

@@ -4,18 +4,23 @@ The model is converted first (every attention setting ``evaluate`` takes; ``exac
 attention unmodified, the control), so the weights adapt to the approximation they will run with. It is
 trained on the task's ``train:`` split (``configs/tasks``) with the head's own loss, through HF
 ``Trainer``: LoRA (peft) on the encoder's Linear layers with the head trained fully, or every weight;
-checkpoints every ``save_steps`` under ``OUT/checkpoints`` and ``resume`` from the last complete one
-(after Ctrl-C or ``kill -9``). ``OUT`` then holds a normal checkpoint, converted (LoRA merged), that
-``bert-cluster evaluate OUT`` scores, and ``finetune.json`` / ``finetune.md`` / ``loss.png``: the
-settings, the loss curve and the environment. ``distill`` mixes in (or, at 1, replaces the labels with) the
-distance to the unmodified checkpoint's own outputs (``distillation``): the approximation is trained to give
-what the exact attention gives, without training the task further.
+checkpoints every ``save_steps`` under ``OUT/checkpoints`` and ``resume`` from the newest intact one
+(after Ctrl-C or ``kill -9``; a damaged one is skipped and named). ``OUT`` then holds a normal
+checkpoint, converted (LoRA merged), that ``bert-cluster evaluate OUT`` scores, and ``finetune.json`` /
+``finetune.md`` / ``loss.png``: the settings, the loss curve and the environment. Nothing ends silently
+wrong (``safety``): non-finite settings are refused, a non-finite loss or gradient norm stops the run with
+nothing saved as final, a resume checks that the training data and the model's weights are the ones the
+run began with, and an output folder that is, holds or lies inside the model's is refused. ``distill``
+mixes in (or, at 1, replaces the labels with) the distance to the unmodified checkpoint's own outputs
+(``distillation``): the approximation is trained to give what the exact attention gives, without
+training the task further.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,12 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from bert_cluster import config as presets
-from bert_cluster.checkpoints import attention_config, check_model_path, max_positions, quiet, resolve_model
+from bert_cluster.checkpoints import (
+    attention_config,
+    check_apart,
+    check_model_path,
+    max_positions,
+    quiet,
+    resolve_model,
+)
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
 from bert_cluster.evaluation.data import load_rows
 from bert_cluster.evaluation.tasks import TaskConfig, get_tasks, label_mapping
-from bert_cluster.finetuning import features, report
+from bert_cluster.finetuning import features, report, safety
 from bert_cluster.parallel import check_device
 
 __all__ = ["FinetuneInterrupted", "FinetuneResult", "finetune"]
@@ -55,9 +67,10 @@ _RESUME_KEYS = (
     "limit",
     "distill",
     "distill_temperature",
+    "distill_dropout",
 )
 #: What a resume key was before it existed (a run started by an older version trained with it).
-_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None}
+_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None, "distill_dropout": False}
 #: The model class each loss trains (the head computes that loss from the features' labels).
 _HEADS = {
     "cross-entropy": "AutoModelForSequenceClassification",
@@ -90,6 +103,10 @@ class FinetuneResult:
     resumed_from: str | None
     train_seconds: float  # over every part of a resumed run (progress.TrainingClock)
     files: dict[str, Path]
+    #: Damaged checkpoints a resume passed over, newest first (name: why).
+    skipped_checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: ``resume`` found the run finished: nothing was trained or written (the result is its report's).
+    already_finished: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``finetune.json`` without its environment)."""
@@ -102,8 +119,22 @@ class FinetuneResult:
             "features": self.features,
             "source": self.source,
             "resumed_from": self.resumed_from,
+            "skipped_checkpoints": self.skipped_checkpoints,
             "train_seconds": self.train_seconds,
         }
+
+    @classmethod
+    def finished(cls, output: Path, document: dict[str, Any]) -> FinetuneResult:
+        """The result a finished run's ``finetune.json`` records (``already_finished``)."""
+        keys = ("settings", "loss_curve", "steps", "examples", "features", "source", "resumed_from")
+        return cls(
+            output=output,
+            **{key: document[key] for key in keys},
+            train_seconds=document["train_seconds"],
+            files={name: output / name for name in document.get("files", [])},
+            skipped_checkpoints=document.get("skipped_checkpoints", {}),
+            already_finished=True,
+        )
 
 
 class FinetuneInterrupted(KeyboardInterrupt):
@@ -115,16 +146,11 @@ class FinetuneInterrupted(KeyboardInterrupt):
 
 
 def last_checkpoint(folder: Path) -> Path | None:
-    """The newest checkpoint under ``folder`` that was written to the end (its trainer_state.json last)."""
-    if not folder.is_dir():
-        return None
-    steps = []
-    for entry in folder.iterdir():
-        number = entry.name.removeprefix("checkpoint-")
-        if entry.is_dir() and entry.name.startswith("checkpoint-") and number.isdigit():
-            steps.append((int(number), entry))
-    complete = [(step, entry) for step, entry in steps if (entry / "trainer_state.json").is_file()]
-    return max(complete)[1] if complete else None
+    """The newest checkpoint under ``folder`` that was written to the end (its trainer_state.json last).
+
+    Its files are not checked: ``safety.newest_intact`` is the one a resume starts from.
+    """
+    return next(iter(safety.checkpoints(folder)), None)
 
 
 def _number(name: str, value: Any, kind: type, allow_none: bool = True) -> Any:
@@ -132,6 +158,8 @@ def _number(name: str, value: Any, kind: type, allow_none: bool = True) -> Any:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise UserError(f"{name} must be a positive {'number' if kind is float else 'int'}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # inf would train every weight to NaN
+        raise UserError(f"{name} must be a finite positive number, got {value!r}")
     if not value > 0:
         raise UserError(f"{name} must be positive, got {value!r}")
     return kind(value)
@@ -161,12 +189,26 @@ def _all_tasks() -> list[TaskConfig]:
     return list(load_tasks().values())
 
 
-def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwrite: bool) -> Path | None:
-    """Check ``output`` for this run; the checkpoint to resume from (None: a fresh run).
+@dataclasses.dataclass
+class _Start:
+    """Where a run starts: fresh, from a checkpoint, or already finished."""
+
+    checkpoint: Path | None = None
+    #: The settings of the run resumed (its hashes of the data and the weights among them).
+    earlier: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Damaged checkpoints passed over, newest first (name: why): removed before training.
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: The finished run's ``finetune.json``.
+    finished: dict[str, Any] | None = None
+
+
+def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwrite: bool) -> _Start:
+    """Check ``output`` for this run: where it starts.
 
     Raises:
         UserError: a non-empty folder without ``overwrite`` or ``resume``; ``resume`` with nothing to
-            resume or with other settings than the run that made the checkpoints.
+            resume (or every checkpoint damaged) or with other settings than the run that made the
+            checkpoints.
     """
     from bert_cluster.reports import check_output
 
@@ -184,30 +226,63 @@ def _prepare_output(output: Path, settings: dict[str, Any], resume: bool, overwr
             raise UserError(
                 f"{checkpoints} is not a finetune run's checkpoints folder; move it or choose another OUT"
             )
-        return None
+        return _Start()
     check_output(output, True)
-    found = last_checkpoint(checkpoints)
+    finished = _finished_report(output)
+    if finished is not None:  # the report is written last: the run is done, nothing is left to train
+        _check_same_settings(finished["settings"], settings, output)
+        return _Start(earlier=finished["settings"], finished=finished)
+    found, skipped = safety.newest_intact(checkpoints)
     if found is None:
+        damaged = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         raise UserError(
-            f"nothing to resume in {output}: no complete checkpoint under {checkpoints}; run without --resume"
-        )
+            f"nothing to resume in {output}: "
+            + (f"every checkpoint is damaged ({damaged}); start again with --overwrite" if skipped else
+               f"no complete checkpoint under {checkpoints}; run without --resume")
+        )  # fmt: skip
     try:
         earlier = json.loads((checkpoints / SETTINGS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise UserError(f"cannot resume: {checkpoints / SETTINGS_FILE} is missing or unreadable") from None
+    _check_same_settings(earlier, settings, output)
+    return _Start(checkpoint=found, earlier=earlier, skipped=skipped)
+
+
+def _finished_report(output: Path) -> dict[str, Any] | None:
+    """The ``finetune.json`` of a run that finished in ``output``, or None."""
+    try:
+        document = json.loads((output / report.FILES.json).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or not isinstance(document.get("settings"), dict):
+        return None
+    return document
+
+
+def _check_same_settings(earlier: dict[str, Any], settings: dict[str, Any], output: Path) -> None:
     changed = [
         key for key in _RESUME_KEYS if earlier.get(key, _RESUME_DEFAULTS.get(key)) != settings.get(key)
     ]
     if changed:
         shown = ", ".join(f"{key} {earlier.get(key)!r} -> {settings.get(key)!r}" for key in changed)
         raise UserError(f"cannot resume with other settings than the run in {output} ({shown})")
-    return found
 
 
-def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bool]:
+def _check_same_content(earlier: dict[str, Any], settings: dict[str, Any], key: str, what: str) -> None:
+    """Refuse a resume whose data or weights (``key``'s hash) differ from the run's (where it has them)."""
+    before, now = earlier.get(key), settings[key]
+    if before is not None and before != now:
+        raise UserError(
+            f"cannot resume: {what} changed since the run began (sha256 {before[:12]}... then, {now[:12]}... "
+            "now); give the same, or start again with --overwrite"
+        )
+
+
+def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bool, list[str]]:
     """The model with the head ``task``'s loss trains, its tokenizer, the label mapping, the head's origin.
 
-    The last is False where the checkpoint has no such head and the model got a fresh one.
+    The fourth is False where the checkpoint has no such head and the model got a fresh one; the fifth
+    names the weights made fresh (not the checkpoint's).
     """
     import transformers
 
@@ -228,7 +303,7 @@ def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bo
                     "id2label": dict(enumerate(names)),
                     "label2id": {name: index for index, name in enumerate(names)},
                 }
-            model = auto_class.from_pretrained(source, **extra)
+            model, info = auto_class.from_pretrained(source, output_loading_info=True, **extra)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise UserError(f"cannot load model {source}: {one_line(error)}") from None
     if not getattr(tokenizer, "is_fast", False):
@@ -241,14 +316,14 @@ def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bo
         mapping = label_mapping(model.config.id2label or {}, model.config.num_labels, task)
         if mapping is not None:  # model index -> dataset index; the labels need the inverse
             to_model = [mapping.index(index) for index in range(len(mapping))]
-    return model, tokenizer, to_model, has_head
+    return model, tokenizer, to_model, has_head, list(info.get("missing_keys", []))
 
 
 def _teacher(source: str, task: TaskConfig) -> Any:
     """The checkpoint with its original attention, for ``distill`` (reverted when it was saved converted)."""
     from bert_cluster import hf
 
-    teacher, _, _, has_head = _load(source, task)
+    teacher, _, _, has_head, _ = _load(source, task)
     if not has_head:
         raise UserError(
             f"--distill needs a checkpoint with its task head; {source} has none for {task.name} "
@@ -311,6 +386,7 @@ def finetune(
     device: str = "cpu",
     distill: float = 0.0,
     distill_temperature: float = 1.0,
+    distill_dropout: bool = False,
     reporter: Any = None,
     callbacks: Sequence[Any] = (),
 ) -> FinetuneResult:
@@ -341,6 +417,8 @@ def finetune(
             attention (frozen, the teacher) in the loss, ``(1 - distill) * task loss + distill * distance``;
             1 trains towards the teacher alone (``distillation``). The checkpoint must have the task's head.
         distill_temperature: the softmax temperature of that distance for classes and spans.
+        distill_dropout: keep the student's dropout on under ``distill`` (off by default): the noise that
+            moves an exact-attention control as the approximation moves the clustered run.
         reporter: progress callbacks (``evaluation.runner.Reporter``: start, task, configuration,
             advance, finish); None: silent.
         callbacks: further ``transformers.TrainerCallback`` objects.
@@ -364,6 +442,8 @@ def finetune(
             f"distill must be a number from 0 to 1 (the distillation loss's weight), got {distill!r}"
         )
     distill_temperature = _number("distill_temperature", distill_temperature, float, allow_none=False)
+    if distill_dropout and not distill:
+        raise UserError("distill_dropout needs distill > 0 (fine-tuning on the labels has its dropout on)")
     if epochs is not None and max_steps is not None:
         raise UserError("give epochs or max_steps, not both")
     if exact and attention:
@@ -377,6 +457,7 @@ def finetune(
     device = check_device(device)
     source = check_model_path(resolve_model(model))
     output = Path(output).expanduser()
+    check_apart(source, output)
     settings = {
         "model": source,
         "task": task_config.name,
@@ -399,24 +480,22 @@ def finetune(
         "device": device,
         "distill": float(distill),
         "distill_temperature": distill_temperature if distill > 0 else None,
+        "distill_dropout": bool(distill_dropout),
     }
     if settings["max_steps"] is not None:
         settings["epochs"] = None
-    resume_from = _prepare_output(output, settings, resume, overwrite)
+    start = _prepare_output(output, settings, resume, overwrite)
+    if start.finished is not None:  # nothing is trained, nothing written
+        return FinetuneResult.finished(output, start.finished)
     rows = load_rows(task_config, data_dir, split="train")
     chosen = rows.rows if limit is None else rows.rows[:limit]
+    where = features.locator(task_config, data_dir, rows.source, len(rows.rows))
+    features.check_rows(chosen, task_config, where)
+    settings["data_sha256"] = safety.rows_sha256(chosen)
+    _check_same_content(start.earlier, settings, "data_sha256", f"the training data ({rows.source})")
     try:
         return _train(
-            task_config,
-            source,
-            output,
-            settings,
-            config,
-            chosen,
-            rows.source,
-            resume_from,
-            reporter,
-            callbacks,
+            task_config, source, output, settings, config, chosen, rows.source, start, reporter, callbacks
         )
     except FinetuneInterrupted:
         raise
@@ -432,19 +511,27 @@ def _train(
     config: ClusteredAttentionConfig | None,
     rows: list[dict[str, Any]],
     data_source: str,
-    resume_from: Path | None,
+    start: _Start,
     reporter: Any,
     callbacks: Sequence[Any],
 ) -> FinetuneResult:
     import transformers
 
     from bert_cluster import hf
-    from bert_cluster.finetuning.progress import ProgressCallback, TrainingClock  # imports transformers
+    from bert_cluster.finetuning.progress import (  # imports transformers
+        CheckpointChecksums,
+        FiniteGuard,
+        ProgressCallback,
+        StopAtTheEnd,
+        TrainingClock,
+    )
 
     # The teacher first, so that the new weights below are a run without distill's (the same seed's).
     teacher = _teacher(source, task) if settings["distill"] > 0 else None
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
-    model, tokenizer, to_model, _ = _load(source, task)
+    model, tokenizer, to_model, _, fresh = _load(source, task)
+    settings["model_sha256"] = safety.weights_sha256(model, fresh)  # as loaded: before any change
+    _check_same_content(start.earlier, settings, "model_sha256", f"the model's weights ({source})")
     positions = max_positions(model.config)
     if positions is not None and settings["max_length"] > positions:
         raise UserError(
@@ -462,12 +549,14 @@ def _train(
     if settings["lora"]:
         model = _lora(model, settings["lora_rank"], settings["lora_alpha"])
     checkpoints = output / CHECKPOINTS
+    resume_from = start.checkpoint
     if resume_from is None:  # an earlier run's (--overwrite; checked to be one): never resumed into this one
         for entry in checkpoints.glob("checkpoint-*"):
             shutil.rmtree(entry)
     for entry in checkpoints.glob("checkpoint-*") if resume_from is not None else ():
-        if entry.is_dir() and not (entry / "trainer_state.json").is_file():
-            shutil.rmtree(entry)  # half written when the earlier run was killed
+        half_written = entry.is_dir() and not (entry / safety.STATE).is_file()  # the earlier run killed
+        if half_written or entry.name in start.skipped:  # damaged: named in the result, trained again
+            shutil.rmtree(entry)
     checkpoints.mkdir(parents=True, exist_ok=True)
     (checkpoints / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
     try:
@@ -482,6 +571,7 @@ def _train(
             bf16=settings["bf16"],
             logging_strategy="steps",
             logging_steps=1,
+            logging_nan_inf_filter=False,  # the loss logged is the step's own, NaN included (FiniteGuard)
             save_strategy="steps",
             save_steps=settings["save_steps"],
             save_total_limit=2,
@@ -495,11 +585,12 @@ def _train(
     label = "exact attention" if config is None else f"{config.mode}, C={config.clusters}"
     label = f"{label}, {'LoRA' if settings['lora'] else 'full'}"
     if teacher is not None:
-        label = f"{label}, distilled {settings['distill']:g}"
+        label = f"{label}, distilled {settings['distill']:g}{' with dropout' * settings['distill_dropout']}"
     label = f"fine-tuning ({label})"
     clock = TrainingClock.resuming(resume_from)
+    guard, at_the_end = FiniteGuard(), StopAtTheEnd()
     progress = [ProgressCallback(reporter, task.name, label)] if reporter is not None else []
-    extra = [*callbacks, clock, *progress]
+    extra = [at_the_end, *callbacks, clock, guard, CheckpointChecksums(), *progress]
     common = {
         "model": model,
         "args": arguments,
@@ -518,16 +609,28 @@ def _train(
             weight=settings["distill"],
             temperature=settings["distill_temperature"],
             loss=task.train.loss,
+            dropout=settings["distill_dropout"],
         )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its dicts on stdout: the report
     try:
         with quiet():
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    except StopAtTheEnd.Stop:  # the checkpoint is the run's last step: the model as it holds it
+        pass
     except KeyboardInterrupt:
         raise FinetuneInterrupted(output, last_checkpoint(checkpoints)) from None
+    if guard.stopped is not None:
+        step, what = guard.stopped
+        last = safety.newest_intact(checkpoints)[0]
+        kept = f"the last good checkpoint, {last.name}, is kept" if last else "no checkpoint was saved before"
+        raise UserError(
+            f"training stopped at step {step}: {what}; nothing was saved as the final model and {kept}; "
+            f"lower --learning-rate (it was {settings['learning_rate']:g}) and start again with --overwrite"
+        )
     trained = trainer.model
     if settings["lora"]:
         trained = trained.merge_and_unload()
+    _check_finite(trained, output)
     try:
         with quiet():
             trained.save_pretrained(output)
@@ -550,6 +653,20 @@ def _train(
         resumed_from=None if resume_from is None else resume_from.name,
         train_seconds=clock.seconds,
         files={},
+        skipped_checkpoints=start.skipped,
     )
     result.files = report.write(result, output)
     return result
+
+
+def _check_finite(model: Any, output: Path) -> None:
+    """Refuse to save a model with a non-finite weight (nothing is written)."""
+    import torch
+
+    bad = [name for name, tensor in model.state_dict().items() if not bool(torch.isfinite(tensor).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise UserError(
+            f"the trained model has non-finite weights ({shown}): nothing was saved to {output}; lower "
+            "--learning-rate and start again with --overwrite"
+        )

@@ -1,4 +1,8 @@
-"""Trainer callbacks: the progress reporter told each step (a bar with an ETA), and the training clock."""
+"""Trainer callbacks: progress (a bar with an ETA), the training clock, and the run's safety (``safety``).
+
+The guard that stops at a non-finite step, the checkpoints' checksums, and no step past the last on a
+resume from it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
+
+from bert_cluster.finetuning import safety
 
 
 class ProgressCallback(TrainerCallback):
@@ -75,3 +81,59 @@ class TrainingClock(TrainerCallback, ExportableState):
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the time up to it, under the name a resumed clock reads back."""
         return {"args": {}, "attributes": {"seconds_before": round(self.seconds, 3)}}
+
+
+class FiniteGuard(TrainerCallback):
+    """Stop at the first step whose loss or gradient norm is not finite, before anything of it is saved.
+
+    Run with Trainer's ``logging_nan_inf_filter`` off and a log every step, so that the logged loss is the
+    step's own (the filter logs the mean of the earlier ones in its place: "last loss 0.0000" from a run
+    whose weights were all NaN). A step whose checkpoint is due is also checked for non-finite trained
+    weights (an update can overflow with a finite loss and gradient). ``stopped``: (step, what) or None.
+    """
+
+    def __init__(self) -> None:
+        self.stopped: tuple[int, str] | None = None
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        bad = safety.non_finite(kwargs.get("logs") or {})
+        model = kwargs.get("model")
+        if not bad and control.should_save and model is not None and not safety.finite_parameters(model):
+            bad = ["a trained weight is not finite"]
+        if bad:
+            self.stopped = (state.global_step, " and ".join(bad))
+            control.should_training_stop = True
+            control.should_save = False
+
+
+class CheckpointChecksums(TrainerCallback):
+    """After Trainer saved a checkpoint, a sha256 of each of its files in it (``safety.CHECKSUMS``)."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            safety.write_checksums(checkpoint)
+
+
+class _AtTheEnd(Exception):
+    """Raised by ``StopAtTheEnd``: the checkpoint resumed from is the run's last step."""
+
+
+class StopAtTheEnd(TrainerCallback):
+    """A resume from a checkpoint at the run's last step trains nothing (Trainer would run one step more).
+
+    Trainer loads the checkpoint, then starts the epoch the checkpoint is in; where ``max_steps`` is not a
+    whole number of epochs it runs that epoch's next batch before it checks the step count (a run of
+    ``max_steps`` 6 resumed from checkpoint-6 reported 7 steps). Stopping at ``on_train_begin`` leaves the
+    model and the state as the checkpoint holds them; ``finished`` says it happened.
+    """
+
+    Stop = _AtTheEnd
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            self.finished = True
+            raise _AtTheEnd

@@ -225,7 +225,12 @@ void cluster_members(const int64_t* assign, int64_t n, int64_t clusters, std::ve
 // i-clustered: out_i = (Vc_j - Vtop_j) + m_j * sum_{l in T_j} softmax_l(s q_i.K_l) V_l for query i in cluster j.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling) {
+    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling,
+    double dropout, int64_t seed) {
+  if (dropout != 0.0)
+    return topk_refine_backward_dropped_cpu(float_rows(grad_out), float_rows(queries), float_rows(keys),
+                                            float_rows(values), assignments.contiguous(), topk_indices.contiguous(),
+                                            float_rows(topk_mass), scaling, dropout, seed);
   const Shape s = check_backward_args(grad_out, queries, keys, values, assignments, topk_indices, topk_mass);
   const auto options = queries.options().dtype(at::kFloat);
   at::Tensor dq = zeros_tensor({s.rows, s.heads, s.n, s.dk}, options);
@@ -306,7 +311,12 @@ refine_with_query_mass_backward_cpu(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& values, const at::Tensor& valid, const at::Tensor& assignments,
                                     const at::Tensor& centroids, const at::Tensor& centroid_values,
                                     const at::Tensor& topk_indices, const at::Tensor& topk_mass,
-                                    const at::Tensor& topk_values, double scaling) {
+                                    const at::Tensor& topk_values, double scaling, double dropout, int64_t seed) {
+  if (dropout != 0.0)
+    return refine_with_query_mass_backward_dropped_cpu(
+        float_rows(grad_out), float_rows(queries), float_rows(keys), float_rows(values), valid.contiguous(),
+        assignments.contiguous(), float_rows(centroids), float_rows(centroid_values), topk_indices.contiguous(),
+        float_rows(topk_mass), float_rows(topk_values), scaling, dropout, seed);
   const Shape s = check_backward_args(grad_out, queries, keys, values, assignments, topk_indices, topk_mass);
   for (auto [t, name] : {std::pair{&queries, "queries"}, {&keys, "keys"}, {&values, "values"}})
     check_float_rows(*t, name);

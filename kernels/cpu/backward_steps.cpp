@@ -373,7 +373,11 @@ void band_backward_head(const float* grad, const HeadRows& Q, const HeadRows& K,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-    const at::Tensor& valid, int64_t window, double scaling) {
+    const at::Tensor& valid, int64_t window, double scaling, double dropout, int64_t seed) {
+  if (dropout != 0.0)
+    return banded_attention_backward_dropped_cpu(float_rows(grad_out), float_rows(queries), float_rows(keys),
+                                                 float_rows(values), valid.contiguous(), window, scaling, dropout,
+                                                 seed);
   check_qkv(queries, keys, values);
   check_float_input(grad_out, "grad_out");
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);

@@ -104,7 +104,11 @@ void band_tasks(const BandJob& job, int64_t begin, int64_t end) {
 }  // namespace
 
 at::Tensor banded_attention_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                                const at::Tensor& valid, int64_t window, double scaling) {
+                                const at::Tensor& valid, int64_t window, double scaling, double dropout,
+                                int64_t seed) {
+  if (dropout != 0.0)
+    return banded_attention_dropped_cpu(float_rows(queries), float_rows(keys), float_rows(values), valid.contiguous(),
+                                        window, scaling, dropout, seed);
   check_banded_args(queries, keys, values, valid, window);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

@@ -63,6 +63,13 @@ inline InputType input_type(const at::Tensor& t) {
   }
 }
 
+// A float input as the attention-dropout kernels (dropout.cpp) read it: float32 and contiguous, an fp16/bf16
+// tensor widened once (no copy for one that is so already); other dtypes pass, for the kernels' checks to name.
+inline at::Tensor float_rows(const at::Tensor& t) {
+  const bool half = t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+  return (half ? t.to(at::kFloat) : t).contiguous();
+}
+
 // `t` itself when its last dim is contiguous, else a contiguous copy.
 inline at::Tensor last_dim_contiguous(const at::Tensor& t) {
   return (t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();

@@ -1,7 +1,9 @@
 // Attention dropout inside the CPU kernels (issue 38, item 2): the centroids' attention over the keys
-// outside their top-k (centroid_rest), the two refinements with each query's top-k weights dropped
-// (topk_refine_dropout, refine_with_query_mass_dropout) and the band (banded_attention_dropout), each with
-// its backward. See reference.centroid_rest / topk_refine / refine_with_query_mass / banded_attention.
+// outside their top-k (the op centroid_rest), and the dropout path of the two refinements, with each
+// query's top-k weights dropped, and of the band: topk_refine, refine_with_query_mass and banded_attention
+// with dropout != 0 (their entries in sparse.cpp, query_mass.cpp and banded.cpp call the *_dropped_cpu
+// functions here), each with its backward. See reference.centroid_rest / topk_refine /
+// refine_with_query_mass / banded_attention.
 //
 // The masks are the reference's, bit for bit: reference.dropout_uniforms is a counter-based hash of (seed,
 // stream, row * H + head, first, second) -> 24-bit uniform, ported here (mix32), so a weight is kept iff
@@ -12,8 +14,9 @@
 // Deterministic: one task owns one (row, head) in every backward (and the forwards but the band's, whose
 // tasks own disjoint queries), and each sum runs in a fixed order (keys in index order, centroids and
 // top-k slots in index order), so the same inputs give the same bits at any thread count; no atomics.
-// Inputs are float32 and contiguous (ops.py widens fp16/bf16 once, as autograd through the reference
-// computes in float32 too); outputs and gradients float32.
+// The kernels read float32 contiguous inputs: the ops' entries widen fp16/bf16 ones (float_rows, common.h; a
+// no-op for inputs that are so already, as attention.dropped makes them once per call), as autograd through
+// the reference computes in float32 too; outputs and gradients float32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -69,15 +72,15 @@ struct Dropout {
 };
 
 void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32 in the dropout ops, got ",
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32 with attention dropout, got ",
                    t.scalar_type());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous in the dropout ops");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous with attention dropout");
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
 void check_long(const at::Tensor& t, const char* name) {
   check_dtype(t, at::kLong, name);
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous in the dropout ops");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous with attention dropout");
 }
 
 void check_mask(const at::Tensor& valid, int64_t rows, int64_t n) {
@@ -284,9 +287,10 @@ RestArgs check_rest(const at::Tensor& centroids, const at::Tensor& keys, const a
 
 }  // namespace
 
-at::Tensor centroid_rest_cpu(const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout,
-                             int64_t seed) {
+// centroid_rest on float32 contiguous inputs (the op's entry, centroid_rest_cpu below, makes them so).
+static at::Tensor centroid_rest_rows(const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
+                                     const at::Tensor& valid, const at::Tensor& topk_indices, double scaling,
+                                     double dropout, int64_t seed) {
   const RestArgs s = check_rest(centroids, keys, values, valid, topk_indices);
   const Dropout drop(dropout, seed, kCentroidStream);
   at::Tensor out = zeros_tensor({s.rows, s.heads, s.c, s.dv}, values.options());
@@ -326,7 +330,7 @@ at::Tensor centroid_rest_cpu(const at::Tensor& centroids, const at::Tensor& keys
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_cpu(
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_rows(
     const at::Tensor& grad, const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout, int64_t seed) {
   const RestArgs s = check_rest(centroids, keys, values, valid, topk_indices);
@@ -409,6 +413,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_cpu(
     }
   });
   return {dcent, dkeys, dvalues};
+}
+
+at::Tensor centroid_rest_cpu(const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout,
+                             int64_t seed) {
+  return centroid_rest_rows(float_rows(centroids), float_rows(keys), float_rows(values), valid.contiguous(),
+                            topk_indices.contiguous(), scaling, dropout, seed);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> centroid_rest_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& centroids, const at::Tensor& keys, const at::Tensor& values,
+    const at::Tensor& valid, const at::Tensor& topk_indices, double scaling, double dropout, int64_t seed) {
+  return centroid_rest_backward_rows(float_rows(grad), float_rows(centroids), float_rows(keys), float_rows(values),
+                                     valid.contiguous(), topk_indices.contiguous(), scaling, dropout, seed);
 }
 
 namespace {
@@ -578,7 +596,7 @@ void run_topk_refine(const TopkRefineJob& job) {
 
 }  // namespace
 
-at::Tensor topk_refine_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+at::Tensor topk_refine_dropped_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                                    const at::Tensor& assignments, const at::Tensor& centroid_values,
                                    const at::Tensor& topk_indices, const at::Tensor& topk_mass,
                                    const at::Tensor& topk_values, double scaling, double dropout, int64_t seed) {
@@ -609,7 +627,7 @@ at::Tensor topk_refine_dropout_cpu(const at::Tensor& queries, const at::Tensor& 
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_dropout_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_backward_dropped_cpu(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling,
     double dropout, int64_t seed) {
@@ -766,7 +784,7 @@ PlusArgs plus_args(const RefineArgs& a, const at::Tensor& queries, const at::Ten
 
 }  // namespace
 
-at::Tensor refine_with_query_mass_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys,
+at::Tensor refine_with_query_mass_dropped_cpu(const at::Tensor& queries, const at::Tensor& keys,
                                               const at::Tensor& values, const at::Tensor& valid,
                                               const at::Tensor& assignments, const at::Tensor& centroids,
                                               const at::Tensor& centroid_values, const at::Tensor& topk_indices,
@@ -815,7 +833,7 @@ at::Tensor refine_with_query_mass_dropout_cpu(const at::Tensor& queries, const a
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-refine_with_query_mass_dropout_backward_cpu(const at::Tensor& grad_out, const at::Tensor& queries,
+refine_with_query_mass_backward_dropped_cpu(const at::Tensor& grad_out, const at::Tensor& queries,
                                             const at::Tensor& keys, const at::Tensor& values, const at::Tensor& valid,
                                             const at::Tensor& assignments, const at::Tensor& centroids,
                                             const at::Tensor& centroid_values, const at::Tensor& topk_indices,
@@ -1030,7 +1048,7 @@ constexpr int64_t kBandBlock = 64;
 
 }  // namespace
 
-at::Tensor banded_attention_dropout_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+at::Tensor banded_attention_dropped_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                                         const at::Tensor& valid, int64_t window, double scaling, double dropout,
                                         int64_t seed) {
   const BandArgs b = band_args(queries, keys, values, valid, window, scaling);
@@ -1062,7 +1080,7 @@ at::Tensor banded_attention_dropout_cpu(const at::Tensor& queries, const at::Ten
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_dropout_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_dropped_cpu(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
     const at::Tensor& valid, int64_t window, double scaling, double dropout, int64_t seed) {
   const BandArgs b = band_args(queries, keys, values, valid, window, scaling);

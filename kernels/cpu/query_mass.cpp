@@ -532,7 +532,12 @@ at::Tensor refine_with_query_mass_cpu(const at::Tensor& queries, const at::Tenso
                                       const at::Tensor& valid, const at::Tensor& assignments,
                                       const at::Tensor& centroids, const at::Tensor& centroid_values,
                                       const at::Tensor& topk_indices, const at::Tensor& topk_mass,
-                                      const at::Tensor& topk_values, double scaling) {
+                                      const at::Tensor& topk_values, double scaling, double dropout, int64_t seed) {
+  if (dropout != 0.0)
+    return refine_with_query_mass_dropped_cpu(
+        float_rows(queries), float_rows(keys), float_rows(values), valid.contiguous(), assignments.contiguous(),
+        float_rows(centroids), float_rows(centroid_values), topk_indices.contiguous(), float_rows(topk_mass),
+        float_rows(topk_values), scaling, dropout, seed);
   check_refine_args(queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

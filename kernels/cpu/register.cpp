@@ -1,5 +1,5 @@
-// The CPU kernels' registration with torch's dispatcher, for the schemas that kernels/module.cpp defines:
-// the one source of this library that includes torch/library.h (see ops.h).
+// The CPU kernels' registration with torch's dispatcher, for the ops bert_cluster/ops.py declares: the one
+// source of this library that includes torch/library.h (see ops.h).
 #include <torch/library.h>
 
 #include "ops.h"
@@ -27,12 +27,6 @@ TORCH_LIBRARY_IMPL(bert_cluster, CPU, m) {
   m.impl("banded_attention_backward", &banded_attention_backward_cpu);
   m.impl("centroid_rest", &centroid_rest_cpu);
   m.impl("centroid_rest_backward", &centroid_rest_backward_cpu);
-  m.impl("topk_refine_dropout", &topk_refine_dropout_cpu);
-  m.impl("topk_refine_dropout_backward", &topk_refine_dropout_backward_cpu);
-  m.impl("refine_with_query_mass_dropout", &refine_with_query_mass_dropout_cpu);
-  m.impl("refine_with_query_mass_dropout_backward", &refine_with_query_mass_dropout_backward_cpu);
-  m.impl("banded_attention_dropout", &banded_attention_dropout_cpu);
-  m.impl("banded_attention_dropout_backward", &banded_attention_dropout_backward_cpu);
 }
 
 }  // namespace bert_cluster

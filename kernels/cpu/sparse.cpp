@@ -590,7 +590,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cp
 at::Tensor topk_refine_cpu(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& assignments, const at::Tensor& centroid_values,
                            const at::Tensor& topk_indices, const at::Tensor& topk_mass, const at::Tensor& topk_values,
-                           double scaling) {
+                           double scaling, double dropout, int64_t seed) {
+  if (dropout != 0.0)
+    return topk_refine_dropped_cpu(float_rows(queries), float_rows(keys), float_rows(values), assignments.contiguous(),
+                                   float_rows(centroid_values), topk_indices.contiguous(), float_rows(topk_mass),
+                                   float_rows(topk_values), scaling, dropout, seed);
   check_refine_args(queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

@@ -501,7 +501,9 @@ void launch_band_backward(int nv, const at::Tensor& clean, const at::Tensor& q, 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_refine_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling) {
+    const at::Tensor& assignments, const at::Tensor& topk_indices, const at::Tensor& topk_mass, double scaling,
+    double dropout, int64_t /*seed*/) {
+  check_no_dropout(dropout, "topk_refine_backward");
   check_qkv(queries, keys, values);
   check_dtype(grad_out, at::kFloat, "grad_out");
   check_dtype(topk_mass, at::kFloat, "topk_mass");
@@ -676,7 +678,8 @@ at::Tensor broadcast_clusters_backward_cuda(const at::Tensor& grad_out, const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> banded_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-    const at::Tensor& valid, int64_t window, double scaling) {
+    const at::Tensor& valid, int64_t window, double scaling, double dropout, int64_t /*seed*/) {
+  check_no_dropout(dropout, "banded_attention_backward");
   check_qkv(queries, keys, values);
   check_dtype(grad_out, at::kFloat, "grad_out");
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);

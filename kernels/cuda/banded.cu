@@ -95,7 +95,9 @@ void launch_band(int nv, unsigned int blocks, size_t smem, const at::Tensor& q, 
 }  // namespace
 
 at::Tensor banded_attention_cuda(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
-                                 const at::Tensor& valid, int64_t window, double scaling) {
+                                 const at::Tensor& valid, int64_t window, double scaling, double dropout,
+                                 int64_t /*seed*/) {
+  check_no_dropout(dropout, "banded_attention");
   check_banded_args(queries, keys, values, valid, window);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

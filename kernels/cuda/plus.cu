@@ -705,7 +705,9 @@ at::Tensor refine_with_query_mass_cuda(const at::Tensor& queries, const at::Tens
                                        const at::Tensor& valid, const at::Tensor& assignments,
                                        const at::Tensor& centroids, const at::Tensor& centroid_values,
                                        const at::Tensor& topk_indices, const at::Tensor& topk_mass,
-                                       const at::Tensor& topk_values, double scaling) {
+                                       const at::Tensor& topk_values, double scaling, double dropout,
+                                       int64_t /*seed*/) {
+  check_no_dropout(dropout, "refine_with_query_mass");
   check_refine_args(queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);
@@ -741,7 +743,9 @@ refine_with_query_mass_backward_cuda(const at::Tensor& grad_out, const at::Tenso
                                      const at::Tensor& values, const at::Tensor& valid, const at::Tensor& assignments,
                                      const at::Tensor& centroids, const at::Tensor& centroid_values,
                                      const at::Tensor& topk_indices, const at::Tensor& topk_mass,
-                                     const at::Tensor& topk_values, double scaling) {
+                                     const at::Tensor& topk_values, double scaling, double dropout,
+                                     int64_t /*seed*/) {
+  check_no_dropout(dropout, "refine_with_query_mass_backward");
   check_qkv(queries, keys, values);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

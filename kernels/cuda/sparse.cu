@@ -317,7 +317,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> centroid_attention_cu
 at::Tensor topk_refine_cuda(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& assignments, const at::Tensor& centroid_values,
                             const at::Tensor& topk_indices, const at::Tensor& topk_mass, const at::Tensor& topk_values,
-                            double scaling) {
+                            double scaling, double dropout, int64_t /*seed*/) {
+  check_no_dropout(dropout, "topk_refine");
   check_refine_args(queries, keys, values, assignments, centroid_values, topk_indices, topk_mass, topk_values);
   const int64_t rows = queries.size(0), heads = queries.size(1), n = queries.size(2);
   const int64_t dk = queries.size(3), dv = values.size(3);

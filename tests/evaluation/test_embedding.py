@@ -6,7 +6,6 @@ import csv
 import gzip
 import hashlib
 import math
-import sys
 from pathlib import Path
 
 import helpers
@@ -288,11 +287,8 @@ def test_shared_files_give_the_packaged_examples(shared_dir):
 
 @pytest.mark.data
 def test_make_demo_data_reproduces_the_shipped_files(shared_dir, tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import make_demo_data
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    from benchmarks import make_demo_data
+
     assert make_demo_data.main(["--shared", str(shared_dir / "data"), "--check"]) == 0
     # A fresh build into a temporary folder is byte-identical to the shipped one (no timestamps).
     assert make_demo_data.main(["--shared", str(shared_dir / "data"), "--out", str(tmp_path)]) == 0

@@ -163,8 +163,13 @@ def test_the_cpu_backend_runs_the_fused_op(monkeypatch) -> None:
     from bert_cluster import ops
 
     calls = []
-    original = ops.clustered_heads
-    monkeypatch.setattr(ops, "clustered_heads", lambda *args: calls.append(args[9]) or original(*args))
+    original = ops.clustered_heads.overload  # the op's dispatcher call
+
+    def spy(*args):
+        calls.append(args[9])
+        return original(*args)
+
+    monkeypatch.setattr(ops.clustered_heads, "overload", spy)
     q, k, v = (torch.randn(2, 2, 80, 16) for _ in range(3))
     config = ClusteredAttentionConfig(clusters=5, topk=6, min_length=0, backend="cpu")
     attention.clustered_attention(q, k, v, None, config)

@@ -27,39 +27,49 @@ in its own process of the right environment, under a resident-set cap (a watchdo
 cell's result. Per cell: documents/s (median over repeats of documents / wall time of one pass over
 them, after a warm-up forward of the first document), the process's own peak resident set (its
 VmHWM; for a cell that failed, the highest the watchdog saw), the forward's own peak (VmHWM reset
-before one forward, as in bench_long_context.py), and the cosine of each document's embedding to
+before one forward, as in ``benchmarks.long_context``), and the cosine of each document's embedding to
 the unmodified fp32 torch one.
 
-    bash scripts/setup_peers.sh                       # once: .venv-peers with the pinned peers
-    python scripts/bench_peers.py                     # everything (over an hour on 2 busy cores)
-    python scripts/bench_peers.py --quick             # smoke run: tiny-bert, 64 tokens, one document
-    python scripts/bench_peers.py --models minilm-l6-16k --lengths 512 2048 --methods torch,onnx
-    python scripts/bench_peers.py --models minilm-l6-16k --lengths 8192 16384 --openvino-precision default
+    bash scripts/setup_peers.sh                    # once: .venv-peers with the pinned peers
+    python -m benchmarks.peers                     # everything (over an hour on 2 busy cores)
+    python -m benchmarks.peers --quick             # smoke run: tiny-bert, 64 tokens, one document
+    python -m benchmarks.peers --models minilm-l6-16k --lengths 512 2048 --methods torch,onnx
+    python -m benchmarks.peers --models minilm-l6-16k --lengths 8192 16384 --openvino-precision default
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
-# bench_long_context imports only the standard library at module level, so the peers' environment can use it.
-from bench_long_context import load_average, memory_status, release_free_memory, reset_peak  # noqa: E402
+# The harness imports only the standard library at module level, so the peers' environment can use it.
+from benchmarks.harness import (
+    ROOT,
+    environment,
+    joined,
+    joined_articles,
+    load_average,
+    memory_status,
+    module_command,
+    module_env,
+    package_versions,
+    release_free_memory,
+    reset_peak,
+    squad_articles,
+    table_lines,
+    times,
+    tokens,
+)
 
 #: Lengths (tokens) measured per model, and the model's position limit.
 MODELS: dict[str, dict[str, Any]] = {
@@ -91,7 +101,7 @@ DEFAULT_PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 OPENVINO_PRECISIONS: dict[str, str | None] = {"default": None, "f32": "f32"}
 #: What every run before the option used (and what a results file without ``openvino_precision`` ran).
 DEFAULT_OPENVINO_PRECISION = "f32"
-#: ModernBERT-base's size (as bench_long_context.py builds it).
+#: ModernBERT-base's size (as ``benchmarks.long_context`` builds it).
 MODERNBERT_BASE = {
     "hidden_size": 768,
     "intermediate_size": 1152,
@@ -185,32 +195,25 @@ def export_method(method: str, model_dir: Path, export_dir: Path) -> dict[str, A
     return {"export_s": time.perf_counter() - began}
 
 
-def versions() -> dict[str, str]:
-    """Versions of the packages a method may use, as installed in this environment."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for name in (
-        "torch",
-        "transformers",
-        "sentence-transformers",
-        "onnxruntime",
-        "onnx",
-        "optimum",
-        "optimum-onnx",
-        "optimum-intel",
-        "openvino",
-        "bert-cluster",
-    ):
-        with contextlib.suppress(PackageNotFoundError):
-            found[name] = version(name)
-    return found
+#: The packages a method may use: their versions are recorded from each environment that runs one.
+PACKAGES = (
+    "torch",
+    "transformers",
+    "sentence-transformers",
+    "onnxruntime",
+    "onnx",
+    "optimum",
+    "optimum-onnx",
+    "optimum-intel",
+    "openvino",
+    "bert-cluster",
+)
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
     """``versions``, ``export`` or ``measure`` (time, memory and embeddings of one method at one length)."""
     if job["mode"] == "versions":
-        return versions()
+        return package_versions(PACKAGES)
     if job["mode"] == "export":
         return export_method(job["method"], Path(job["model_dir"]), Path(job["export_dir"]))
     import torch
@@ -319,15 +322,13 @@ def prepare_model(name: str, work: Path) -> Path:
 def document_ids(name: str, folder: Path, length: int, count: int) -> list[list[int]]:
     """The token ids of ``count`` documents of exactly ``length`` tokens (the same for every method)."""
     if name == "minilm-l6-16k":
-        from bench_long_context import squad_articles
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         articles = squad_articles()
         out = []
-        for document in range(count):  # articles joined from a different first article per document
-            start = (document * 7) % len(articles)
-            text = "\n\n".join(articles[start:] + articles[:start])
+        for document in range(count):
+            text = joined_articles(articles, document)
             out.append(tokenizer(text, truncation=True, max_length=length)["input_ids"])
     else:
         import torch
@@ -364,16 +365,15 @@ def run_capped(python: str, job: dict[str, Any], cap_mib: float, timeout: float)
     import tempfile
 
     threads = str(job.get("threads", 2))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    env["PYTHONWARNINGS"] = "ignore"
+    env = module_env(
+        OMP_NUM_THREADS=threads,
+        MKL_NUM_THREADS=threads,
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore",
+    )
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--worker", json.dumps(job)],
+            [*module_command(__spec__.name, python), "--worker", json.dumps(job)],
             stdout=out,
             stderr=err,
             env=env,
@@ -615,27 +615,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    try:
-        git = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-    except OSError:
-        git = ""
+def machine(threads: int) -> dict[str, Any]:
+    """The driver's machine, as the peers tables read it (the harness's environment)."""
+    found = environment(threads)
     return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "git": git or None,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu": found["processor"],
+        **{key: found[key] for key in ("cpu_count", "platform", "git", "date")},
     }
 
 
@@ -754,10 +739,10 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"[yellow]skipping {method}: {why}[/yellow]")
     python = {"main": sys.executable, "peers": peers_python}
     cap = args.memory_cap_gib * 1024
-    command = "python scripts/bench_peers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.peers " + shlex.join(argv if argv is not None else sys.argv[1:])
     report: dict[str, Any] = {
         "command": command,
-        "machine": machine(),
+        "machine": machine(args.threads),
         "threads": args.threads,
         "documents": args.documents,
         "repeats": args.repeats,
@@ -815,6 +800,103 @@ def main(argv: list[str] | None = None) -> None:
     png = args.output.with_suffix(".png")
     loads = f"{report['load_average_before']} -> {report['load_average_after']}"
     console.print(f"wrote {args.output}, {png} (load average {loads})")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+PEER_METHODS = ("torch", "onnx", "openvino", "bert-cluster", "bert-cluster-bf16")
+
+
+def openvino_precision(report: dict) -> str:
+    """The precision OpenVINO ran at (a file from before ``--openvino-precision``: the fixed hint, f32)."""
+    return report.get("openvino_precision", DEFAULT_OPENVINO_PRECISION)
+
+
+def table(results: list[dict]) -> list[str]:
+    """Documents/s per method (failed cells say so), bert-cluster over the fastest peer, cosines, memory."""
+    report = results[0]
+    precision = openvino_precision(report)
+    rows = []
+    for model, lengths in report["results"].items():
+        for length, cells in lengths.items():
+            ratio = report["ratios"].get(model, {}).get("bert-cluster", {}).get(length, {})
+            speeds = [
+                f"{cells[m]['docs_per_s']:.3g}"
+                if cells.get(m, {}).get("docs_per_s")
+                else ("failed" if m in cells else "–")
+                for m in PEER_METHODS
+            ]
+            cosines = [
+                f"{cells[m]['cosine_min']:.3f}" if "cosine_min" in cells.get(m, {}) else "–"
+                for m in PEER_METHODS[3:]
+            ]
+            peaks = [
+                f"{cells[m]['forward_extra_mib']:,.0f}" if cells.get(m, {}).get("docs_per_s") else "–"
+                for m in PEER_METHODS
+            ]
+            fastest = (
+                f"{times(ratio['vs_fastest'])} ({ratio['fastest_peer']})" if "vs_fastest" in ratio else "–"
+            )
+            rows.append([model, tokens(int(length)), *speeds, fastest, joined(cosines), joined(peaks)])
+    header = [
+        "model",
+        "tokens",
+        *(f"openvino ({precision})" if m == "openvino" else m for m in PEER_METHODS),
+        "bert-cluster vs fastest peer",
+        "min cosine (fp32 / bf16)",
+        "forward's peak MiB (same order)",
+    ]
+    versions = report["versions"].get("peers", {})
+    loads = report["load_average_before"], report["load_average_after"]
+    caption = (
+        f"Documents/s, batch 1, {report['threads']} threads, {report['documents']} documents × "
+        f"{report['repeats']} repeats (median), one capped process per cell; {report['machine']['cpu']}, "
+        "load average (1 min) "
+        f"{loads[0][0]:.1f} before, {loads[1][0]:.1f} after; ONNX Runtime {versions.get('onnxruntime', '?')} "
+        f"(level {report['onnx_level']}), OpenVINO {versions.get('openvino', '?')} "
+        f"({PRECISION_NOTES[precision]}); run of {report['machine']['date'][:10]}."
+    )
+    return table_lines(header, "lr" + "r" * (len(header) - 2), rows) + [
+        "",
+        caption + PEERS_CAPTION + peers_verdicts(report),
+    ]
+
+
+def peers_verdicts(report: dict) -> str:
+    """Where bert-cluster (fp32) overtakes each peer on the proxy, and issue 26's targets, as measured."""
+    found = report.get("crossovers", {}).get("minilm-l6-16k", {}).get("bert-cluster", {})
+    parts = [
+        f"{peer} at {tokens(c['length'])} tokens" if c.get("length") else f"{peer}: {c['note']}"
+        for peer, c in found.items()
+    ]
+    targets = [
+        f"≥ {t['speedup_target']:g}× at {tokens(t['length'])}: "
+        + {True: "met", False: "missed", None: "not measured"}[t["met"]]
+        for t in report.get("targets", [])
+    ]
+    text = ""
+    if parts:
+        text += f" bert-cluster (fp32) overtakes on minilm-l6-16k: {'; '.join(parts)}."
+    if targets:
+        text += f" Issue 26's targets (the fastest peer, cosine ≥ 0.98): {'; '.join(targets)}."
+    return text
+
+
+PRECISION_NOTES = {
+    "f32": "f32: INFERENCE_PRECISION_HINT=f32, the exact path",
+    "default": "default: the CPU plugin's own precision, bf16 where the CPU has bf16 instructions",
+}
+
+
+PEERS_CAPTION = (
+    " Forward's peak: the resident set one forward adds (VmHWM reset before it); a failed cell's error,"
+    " and each process's own peak, are in the results file."
+)
+
+
+def proxy_ratios(report: dict) -> dict[str, dict]:
+    """bert-cluster's (fp32) ratios to the peers on the MiniLM-16k proxy, by length (the summary's)."""
+    return report["ratios"].get("minilm-l6-16k", {}).get("bert-cluster", {})
 
 
 if __name__ == "__main__":

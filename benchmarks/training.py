@@ -21,13 +21,13 @@ every copy (``--attention-dropout`` keeps the model's 0.1): with dropout torch's
 kernel for the N x N math path, which would measure a baseline nobody training long inputs uses. Peak
 memory: a fresh process per variant, one step after a warm-up step (AdamW's state exists by then), the
 resident set's peak above the resident set before it (free memory returned first, glibc's mmap threshold
-fixed, as bench_long_context.py does). ``--profile-lengths`` adds torch.profiler's top ops of one step of
-each variant (self CPU time) to the JSON.
+fixed, as ``benchmarks.long_context`` does). ``--profile-lengths`` adds torch.profiler's top ops of one
+step of each variant (self CPU time) to the JSON.
 
-    python scripts/bench_training.py --output docs/results/bench_training_zen4/training.json
-    python scripts/bench_training.py --parts attention --lengths 512 2048 --dtypes fp32 --repeats 3
-    python scripts/bench_training.py --parts attention --lengths 2048 8192 --dtypes fp32 --dropout 0 0.1
-    python scripts/bench_training.py --parts step --train-lengths 4096 --train-repeats 2 --no-memory
+    python -m benchmarks.training --output docs/results/bench_training_zen4/training.json
+    python -m benchmarks.training --parts attention --lengths 512 2048 --dtypes fp32 --repeats 3
+    python -m benchmarks.training --parts attention --lengths 2048 8192 --dtypes fp32 --dropout 0 0.1
+    python -m benchmarks.training --parts step --train-lengths 4096 --train-repeats 2 --no-memory
 """
 
 from __future__ import annotations
@@ -36,28 +36,32 @@ import argparse
 import copy
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_attention import DTYPES, SETTINGS, make_inputs  # noqa: E402
-from bench_long_context import (  # noqa: E402
+from benchmarks.attention import DTYPES, HEADINGS, SETTINGS, machine_line, make_inputs
+from benchmarks.harness import (
     MEMORY_ENV,
     environment,
+    joined,
     load_average,
     memory_status,
+    module_command,
+    module_env,
+    ms,
     release_free_memory,
     reset_peak,
+    run_worker,
+    table_lines,
+    times,
+    tokens,
 )
+from benchmarks.long_context import build_model
 
 METHODS = ("sdpa", "kernel-i-clustered", "kernel-i-clustered+")
 #: Issue 38's targets on the CPU: one attention call's forward + backward over SDPA's (at a length), the
@@ -233,7 +237,6 @@ def build_training_model(job: dict[str, Any]):
     """The proxy with a 2-label classification head (seeded), and a function giving input ids of a length."""
     import torch
     import transformers
-    from bench_long_context import build_model
 
     folder = job.get("folder")
     if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
@@ -340,19 +343,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_job(job: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     """Run one job in a fresh Python process; an error becomes ``{"error": ...}``."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), **MEMORY_ENV}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or [
-            f"exit {done.returncode}"
-        ]
-        return {"error": tail[0][:300]}
-    return json.loads(lines[-1])
+    return run_worker(__spec__.name, job, timeout, OMP_NUM_THREADS=str(job["threads"]), **MEMORY_ENV)
 
 
 def step_row(length: int, timing: dict[str, Any], memory: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -616,25 +607,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bert_cluster import environment as machine
-    from bert_cluster._build import build_info
-
-    info = build_info()
-    if not info["kernels_loaded"]:
-        parser.error(f"the kernels are not available: {info['kernels_reason']}")
+    machine = environment(args.threads)
+    if not machine["kernels_loaded"]:
+        parser.error(f"the kernels are not available: {machine['kernels_reason']}")
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": machine["date"],
         "machine": {
-            "platform": platform.platform(),
-            "processor": machine.cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "threads": args.threads,
+            **{key: machine[key] for key in ("platform", "processor", "cpu_count", "threads")},
             "load_average_before": load_average(),
         },
-        "environment": environment(args.threads),
-        "kernels": {k: info.get(k) for k in ("kernels_loaded", "compiler", "kernels_cpu_isa")},
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "environment": machine,
+        "kernels": {k: machine[k] for k in ("kernels_loaded", "compiler", "kernels_cpu_isa")},
+        "torch_cpu_capability": machine["torch_cpu_capability"],
         "targets": {
             "attention_speedup": {str(n): t for n, t in ATTENTION_TARGETS.items()},
             "record_over_infer_at_most": RECORD_TARGET,
@@ -726,8 +711,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure_attention_memory(method: str, n: int, dtype: str, dropout: float, args) -> float | None:
     command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+        *module_command(__spec__.name),
         "--threads",
         str(args.threads),
         "--attention-memory",
@@ -736,7 +720,7 @@ def measure_attention_memory(method: str, n: int, dtype: str, dropout: float, ar
         dtype,
         str(dropout),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **MEMORY_ENV}
+    env = module_env(OMP_NUM_THREADS=str(args.threads), **MEMORY_ENV)
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=args.timeout)
     if done.returncode != 0:
         print(f"  memory {method} N={n} {dtype} failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
@@ -747,6 +731,163 @@ def measure_attention_memory(method: str, n: int, dtype: str, dropout: float, ar
 def write(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def target_verdict(value: float, target: float, met: bool) -> str:
+    """A measured ratio against its target: bold where it is met, "missed" where not."""
+    shown = f"**{times(value)}**" if met else times(value)
+    return f"{shown} (≥ {target:g}×{'' if met else ', missed'})"
+
+
+def call_table(results: list[dict]) -> list[str]:
+    """One attention call's forward + backward against SDPA's, with the recording forward's overhead."""
+    (result,) = results
+    attention = result["attention"]
+    kernels = ("kernel-i-clustered", "kernel-i-clustered+")
+    without = [r for r in attention["rows"] if not r.get("dropout")]
+    found = {(r["dtype"], r["n"], r["method"]): r for r in without}
+    rows = []
+    for dtype, n in dict.fromkeys((r["dtype"], r["n"]) for r in without):
+        sdpa = found[(dtype, n, "sdpa")]
+        row = [tokens(n), dtype, f"{ms(sdpa['forward_ms'])} + {ms(sdpa['backward_ms'])}"]
+        for method in kernels:
+            r = found[(dtype, n, method)]
+            ratio = r["speedup_vs_sdpa"]
+            shown = (
+                target_verdict(ratio, r["target_speedup"], r["target_met"])
+                if "target_speedup" in r
+                else times(ratio)
+            )
+            row.append(f"{ms(r['forward_ms'])} + {ms(r['backward_ms'])}: {shown}")
+        row.append(joined([f"{found[(dtype, n, m)]['record_over_infer']:.2f}" for m in kernels]))
+        peaks = [found[(dtype, n, m)]["peak_mib"] for m in ("sdpa", *kernels)]
+        row.append("" if None in peaks else joined([f"{p:,.0f}" for p in peaks]))
+        rows.append(row)
+    header = [
+        "N",
+        "dtype",
+        "SDPA fwd + bwd ms",
+        "i-clustered fwd + bwd ms: × SDPA",
+        "i-clustered+ fwd + bwd ms: × SDPA",
+        f"recording / inference forward (≤ {result['targets']['record_over_infer_at_most']}×)",
+        "peak MiB SDPA / i-c / i-c+",
+    ]
+    load = result["machine"]
+    caption = (
+        f"{call_setting(result)}; load average {load['load_average_before'][0]:.1f} before, "
+        f"{load['load_average_after_attention'][0]:.1f} after (a shared machine); {result['date'][:10]}."
+    )
+    return table_lines(header, "rlrrrrr", rows) + ["", caption]
+
+
+def call_setting(result: dict) -> str:
+    """The attention part's machine, threads, shape, settings and timing (a caption's first part)."""
+    attention, load = result["attention"], result["machine"]
+    shape, settings = attention["shape"], attention["settings"]
+    return (
+        f"{machine_line(result)}; {load['threads']} threads; 1 × {shape['heads']} × N × {shape['head_dim']}, "
+        f"C = {settings['clusters']}, k = {settings['topk']}, min_length 0; {attention['timing']}"
+    )
+
+
+def dropout_table(results: list[dict]) -> list[str]:
+    """One call's forward + backward with attention dropout against the same call without, and against
+    SDPA with the same dropout, from the same rounds (``benchmarks.training --dropout 0 P``)."""
+    (result,) = results
+    attention = result["attention"]
+    found = {(r["dtype"], r["n"], r.get("dropout", 0.0), r["method"]): r for r in attention["rows"]}
+    (dropout,) = [p for p in attention["dropouts"] if p]
+    rows = []
+    for dtype, n, method in dict.fromkeys((r["dtype"], r["n"], r["method"]) for r in attention["rows"]):
+        plain, dropped = found[(dtype, n, 0.0, method)], found[(dtype, n, dropout, method)]
+        peaks = [plain["peak_mib"], dropped["peak_mib"]]
+        rows.append(
+            [
+                tokens(n),
+                dtype,
+                {"sdpa": "SDPA", **HEADINGS}.get(method, method),
+                ms(plain["forward_backward_ms"]),
+                ms(dropped["forward_backward_ms"]),
+                f"{dropped['over_no_dropout']:.2f}",
+                "" if method == "sdpa" else times(dropped["speedup_vs_sdpa"]),
+                "" if None in peaks else joined([f"{p:,.0f}" for p in peaks]),
+            ]
+        )
+    header = [
+        "N",
+        "dtype",
+        "method",
+        "fwd + bwd ms, no dropout",
+        f"fwd + bwd ms, dropout {dropout:g}",
+        "with / without",
+        f"× SDPA, both dropout {dropout:g}",
+        "peak MiB without / with",
+    ]
+    load = result["machine"]
+    caption = (
+        f"{call_setting(result)}, both "
+        f'dropouts in the same rounds ("with / without": the median of the per-round ratios); SDPA with '
+        f"dropout runs torch's N × N math path; load average {load['load_average_before'][0]:.1f} before, "
+        f"{load['load_average_after_attention'][0]:.1f} after; {result['date'][:10]}."
+    )
+    return table_lines(header, "rllrrrrr", rows) + ["", caption]
+
+
+def step_table(results: list[dict]) -> list[str]:
+    """A whole training step, converted against unmodified, and the bound of a free attention."""
+    (result,) = results
+    step = result["step"]
+    rows = []
+    for r in step["rows"]:
+        speedup = (
+            target_verdict(r["speedup"], r["target_speedup"], r["speedup_met"])
+            if "target_speedup" in r
+            else times(r["speedup"])
+        )
+        memory = ""
+        if "sdpa_extra_mib" in r and "patched_extra_mib" in r:
+            memory = f"{r['sdpa_extra_mib']:,.0f} / {r['patched_extra_mib']:,.0f}"
+            memory += "" if r["memory_met"] else " (higher)"
+        rows.append(
+            [
+                tokens(r["length"]),
+                f"{r['sdpa_s']:.2f}",
+                f"{r['patched_s']:.2f}",
+                speedup,
+                f"{r['free_s']:.2f}",
+                times(r["bound"]),
+                f"{r['sdpa_attention_s']:.2f} / {r['patched_attention_s']:.2f}",
+                memory,
+            ]
+        )
+    header = [
+        "tokens",
+        "unmodified s/step",
+        "converted s/step",
+        "speedup (target)",
+        "attention free s/step",
+        "bound: unmodified / free",
+        "attention s/step unmodified / converted",
+        "peak MiB unmodified / converted",
+    ]
+    machine = result["machine"]
+    load = f"{machine['load_average_before'][0]:.1f} before, {machine['load_average_after'][0]:.1f} after"
+    caption = (
+        f"{step['model']}, {step['head']}, batch 1, {step['dtype']}, train mode, attention dropout "
+        f"{step['attention_dropout']}, {step['optimiser']}, convert's {step['convert']}; {step['timing']}; "
+        f"attention = the step less the attention-free step; {machine_line(result)}, "
+        f"{machine['threads']} threads, load average {load}; {result['date'][:10]}."
+    )
+    return table_lines(header, "rrrrrrrr", rows) + ["", caption]
+
+
+def step_speedup(results: list[dict], n: int) -> float | None:
+    """A training step's speedup over the unmodified model at ``n`` tokens (the summary's figure)."""
+    (result,) = results
+    return {r["length"]: r["speedup"] for r in result["step"]["rows"]}.get(n)
 
 
 if __name__ == "__main__":

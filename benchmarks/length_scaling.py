@@ -8,7 +8,7 @@ document: one forward pass, batch 1, unmodified (SDPA) and once per setting, int
 are same-run; the embedding is the model's own pooling (mean over tokens, normalised) and is compared
 with the unmodified one by cosine. Prints a table and writes JSON.
 
-    python scripts/bench_length_scaling.py --model /tmp/w5-models/minilm-l6-16k --threads 2 \\
+    python -m benchmarks.length_scaling --model /tmp/w5-models/minilm-l6-16k --threads 2 \\
         --lengths 2048 4096 8192 16384 --settings "C25 fixed" "C100 fixed" default \
         --output results/length_scaling.json
 
@@ -26,23 +26,21 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from bert_cluster import environment
+from benchmarks.harness import (
+    ROOT,
+    environment,
+    table_lines,
+    times,
+    tokens,
+)
+from bert_cluster.environment import shared_dir
 
-REPO = Path(__file__).resolve().parents[1]
 #: ../shared as the tests find it (BERT_CLUSTER_SHARED overrides; a git worktree may sit one level deeper).
 SHARED = next(
-    (
-        p
-        for p in (
-            environment.shared_dir(REPO.parent / "shared"),
-            REPO.parents[1] / "shared",
-        )
-        if (p / "data").is_dir()
-    ),
-    REPO.parent / "shared",
+    (p for p in (shared_dir(ROOT.parent / "shared"), ROOT.parents[1] / "shared") if (p / "data").is_dir()),
+    ROOT.parent / "shared",
 )
 SQUAD = SHARED / "data/squad/dev-v1.1.json"
 
@@ -180,10 +178,11 @@ def main() -> None:
             f"{r['tokens']:>6}  {r['setting']:<16} {extra}{r['median_s']:>9.2f}  "
             f"{r['speedup_median_of_ratios']:>6.2f}  {cos}"
         )
+    machine = environment(args.threads)
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": machine["date"],
         "model": str(args.model),
-        "torch": str(torch.__version__),
+        "torch": machine["torch"],
         "threads": args.threads,
         "timing": "one forward pass per document and variant, batch 1, interleaved; "
         "x sdpa = median of per-document ratios",
@@ -192,6 +191,41 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.output}")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+#: The setting names when those runs were made ("default" was 0.1's).
+LENGTH_SETTINGS = {
+    "default": "i-clustered, growth 0.75 / 0.5 (0.1's default)",
+    "i-clustered+": "i-clustered+ at 0.1's C and k",
+    "i-clustered+ cg=0.5": "**i-clustered+, growth 0.5 / 0.5 (0.2's default)**",
+    "i-clustered+ cg=0.25": "i-clustered+, growth 0.25 / 0.5",
+    "i-clustered+ cg=0.5 kg=0.25": "i-clustered+, growth 0.5 / 0.25",
+}
+
+
+def table(results: list[dict]) -> list[str]:
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            if row["setting"] == "sdpa":
+                continue
+            rows.append(
+                [
+                    tokens(row["tokens"]),
+                    LENGTH_SETTINGS.get(row["setting"], row["setting"]),
+                    str(row["clusters"]),
+                    str(row["topk"]),
+                    f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                    times(row["speedup_median_of_ratios"]),
+                ]
+            )
+    caption = f"{results[0]['threads']} thread(s); {results[0]['timing']}; {results[0]['date'][:10]}."
+    return table_lines(["N", "setting", "C", "k", "cosine mean / min", "× SDPA"], "llrrlr", rows) + [
+        "",
+        caption,
+    ]
 
 
 if __name__ == "__main__":

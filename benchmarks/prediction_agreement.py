@@ -3,12 +3,12 @@
 Accuracy on a small dev set moves by whole examples (RTE: 0.36 points each), so a recovery table alone
 cannot show what a distilled model was trained for: to give at C what the checkpoint gives unmodified.
 This measures that directly on a classification task's dev split: for the checkpoint and each model in
-``--work`` (the folders ``scripts/finetune_recovery.py`` fine-tuned), scored at each ``--clusters`` C
+``--work`` (the folders ``benchmarks.finetune_recovery`` fine-tuned), scored at each ``--clusters`` C
 (i-clustered+, every row approximated, hash seed 0) and unmodified, the mean KL divergence from the
 checkpoint's unmodified class distribution to the model's, and the share of examples whose predicted class
 is the checkpoint's.
 
-    python scripts/prediction_agreement.py --checkpoint OUT/minilm-l6-rte --task rte \\
+    python -m benchmarks.prediction_agreement --checkpoint OUT/minilm-l6-rte --task rte \\
         --work WORK --data-dir ../shared/data --output agreement.json
 """
 
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--task", required=True)
-    parser.add_argument("--work", type=Path, required=True, help="finetune_recovery.py's --work folder")
+    parser.add_argument(
+        "--work", type=Path, required=True, help="benchmarks.finetune_recovery's --work folder"
+    )
     parser.add_argument("--clusters", type=int, nargs="+", default=[10])
     parser.add_argument("--max-length", type=int, default=None, help="default: the task's, as evaluate")
     parser.add_argument("--data-dir", default="../shared/data")

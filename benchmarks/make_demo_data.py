@@ -3,8 +3,8 @@
 Deterministic: the same source files give byte-identical outputs (fixed key order, no timestamp in the
 gzip header), so anyone can regenerate them and compare checksums with bert_cluster/data/README.md.
 
-    python scripts/make_demo_data.py                       # reads ../shared/data, writes bert_cluster/data
-    python scripts/make_demo_data.py --shared DIR --out DIR --check   # verify instead of writing
+    python -m benchmarks.make_demo_data                # reads ../shared/data, writes bert_cluster/data
+    python -m benchmarks.make_demo_data --shared DIR --out DIR --check   # verify instead of writing
 
 Outputs:
     stsb_dev.tsv.gz                  STS-B dev: columns index, genre, sentence1, sentence2, score (1,500 rows)
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT
 
 #: sha256 of the source files, as published in ../shared/data/README.md.
 SOURCES = {

@@ -5,12 +5,12 @@ feed-forward product of the unmodified one. The time of those products alone bou
 attention can give: at most (unmodified s/doc) / (linear layers' s/doc), with attention free. This script
 times each ``nn.Linear`` under the model's ``encoder`` on an input of N tokens (batch 1), in the model's
 order, in fp32 or bf16 (torch's own products, as the unmodified and the patched model run them), and
-counts their FLOPs (2 x in x out per token). Given bench_long_context.py's results (``--long-context``),
+counts their FLOPs (2 x in x out per token). Given ``benchmarks.long_context``'s results (``--long-context``),
 it prints that bound next to the measured speedup and the target: a target above the bound is out of
 reach on that CPU whatever attention costs (issue 27, item 2's "count that proves it").
 
-    python scripts/bench_linears.py --dtype bf16 --long-context docs/results/long_context_zen3/long_bf16.json
-    python scripts/bench_linears.py --models minilm-l6-16k --lengths 8192 16384 --dtype fp32 --output FILE
+    python -m benchmarks.linears --dtype bf16 --long-context docs/results/long_context_zen3/long_bf16.json
+    python -m benchmarks.linears --models minilm-l6-16k --lengths 8192 16384 --dtype fp32 --output FILE
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_long_context import DTYPES, MODELS, build_model, environment, load_average  # noqa: E402
+from benchmarks.harness import (
+    environment,
+    load_average,
+    table_lines,
+    times,
+    tokens,
+)
+from benchmarks.long_context import DTYPES, MODELS, build_model
 
 
 def encoder_linears(model) -> list[Any]:
@@ -61,7 +66,7 @@ def time_linears(linears: list[Any], length: int, repeats: int) -> list[float]:
 
 
 def bounds_from(paths: list[str]) -> dict[tuple[str, int], dict[str, Any]]:
-    """(model, length) -> the measured row of bench_long_context.py results files."""
+    """(model, length) -> the measured row of ``benchmarks.long_context`` results files."""
     rows = {}
     for path in paths:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="FILE",
-        help="bench_long_context.py results in the same dtype: the bound beside each speedup",
+        help="benchmarks.long_context results in the same dtype: the bound beside each speedup",
     )
     parser.add_argument(
         "--cache", default=None, help="where the long-context proxy is built (its default cache)"
@@ -165,6 +170,48 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def bound_table(results: list[dict]) -> list[str]:
+    """The encoder's linear layers alone, and the speedup they leave room for."""
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            rows.append(
+                [
+                    row["dtype"],
+                    tokens(row["length"]),
+                    f"{row['gflop']:.0f}",
+                    f"{row['linears_s']:.2f} ({row['gflop_per_s']:.0f} GFLOP/s)",
+                    f"{row['unmodified_s']:.2f}",
+                    f"**{times(row['bound'])}**",
+                    times(row["speedup"]),
+                    f"{row['target_speedup']:.1f}×"
+                    + ("" if row["target_within_bound"] else " (out of reach)"),
+                ]
+            )
+    header = [
+        "dtype",
+        "tokens",
+        "linear layers' GFLOP",
+        "their s/doc alone",
+        "unmodified s/doc",
+        "bound: speedup with attention free",
+        "patched (measured)",
+        "target",
+    ]
+    first = results[0]
+    environment = first["environment"]
+    caption = (
+        f"{first['rows'][0]['model']}, batch 1, {environment['threads']} threads, median of "
+        f"{first['settings']['repeats']} repeats; torch {environment['torch']}; "
+        f"{', '.join(sorted({r['environment']['date'][:10] for r in results}))}. Unmodified and patched: "
+        f"{', '.join(sorted({row['source'] for r in results for row in r['rows']}))}."
+    )
+    return table_lines(header, "lrrrrrrr", rows) + ["", caption]
 
 
 if __name__ == "__main__":

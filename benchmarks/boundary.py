@@ -6,7 +6,7 @@ function registered with transformers' ``AttentionInterface``, which hands trans
 tensor), in interleaved rounds (each round runs both, in alternating order) so that load on a shared
 machine hits both alike. Reports each one's median and the ratio of the medians, and writes JSON.
 
-    python scripts/bench_boundary.py --length 4096 --rounds 40 --output /tmp/boundary.json
+    python -m benchmarks.boundary --length 4096 --rounds 40 --output /tmp/boundary.json
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.harness import (
+    ms,
+    table_lines,
+    time_rounds,
+)
 
 
 def setup(length: int, mode: str, heads: int = 12, dims: int = 64) -> tuple[Any, Any]:
@@ -46,8 +51,7 @@ def setup(length: int, mode: str, heads: int = 12, dims: int = 64) -> tuple[Any,
         topk_growth=0.0,
         backend="cpu",
     )
-    module = attention_modules(model)[0]
-    module._bert_cluster_layer = 0
+    module = attention_modules(model)[0]  # layer 0: convert numbers the layers
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, heads, length, dims, generator=generator) for _ in range(3))
     valid = torch.ones(1, length, dtype=torch.bool)
@@ -81,13 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         assert torch.equal(function(), op().transpose(1, 2))
         for _ in range(3):  # warm-up: plans, hash planes, the allocator
             op(), function()
-        times: dict[str, list[float]] = {"op": [], "function": []}
-        for round_ in range(args.rounds):
-            order = [("op", op), ("function", function)]
-            for name, call in order if round_ % 2 == 0 else order[::-1]:
-                began = time.perf_counter()
-                call()
-                times[name].append((time.perf_counter() - began) * 1e3)
+        seconds = time_rounds({"op": op, "function": function}, args.rounds, "alternating")
+        times = {name: [1e3 * value for value in values] for name, values in seconds.items()}
     medians = {name: statistics.median(values) for name, values in times.items()}
     result = {
         "length": args.length,
@@ -108,6 +107,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def table(data: list[dict]) -> list[str]:
+    """The attention function transformers calls against the op (this benchmark's results)."""
+    runs_ = data[0]["runs"]
+    rows = [
+        [
+            str(run["threads"]),
+            str(run["pair"]),
+            run["kernels"],
+            ms(run["median_ms"]["op"]),
+            ms(run["median_ms"]["function"]),
+            f"{run['function_over_op']:.3f}",
+        ]
+        for run in sorted(runs_, key=lambda r: (r["threads"], r["pair"]))
+    ]
+    lines = table_lines(["threads", "pair", "code", "op ms", "function ms", "function / op"], "rrlrrr", rows)
+    first = runs_[0]
+    lines += [
+        "",
+        f"1 x 12 x {first['length']:,} x 64, {first['mode']}, C = 25, k = 32, median of {first['rounds']} "
+        f"interleaved rounds, torch {first['torch']}. {data[0]['note']}",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

@@ -31,36 +31,42 @@ once, such as the kernel library, is not the forward's), measures the forward tw
             operating system sees, but where the allocator happens to place blocks moves it by about
             10 MiB from forward to forward (minilm-l6-16k at 2,048 tokens, one process, SDPA: 55-69 MiB).
 
-    python scripts/bench_long_context.py                      # everything (about an hour on 2 cores)
-    python scripts/bench_long_context.py --models minilm-l6-16k --lengths 1024 2048 --repeats 1
-    python scripts/bench_long_context.py --models minilm-l6-16k --lengths 8192 16384 --dtype bf16 --no-memory
+    python -m benchmarks.long_context                      # everything (about an hour on 2 cores)
+    python -m benchmarks.long_context --models minilm-l6-16k --lengths 1024 2048 --repeats 1
+    python -m benchmarks.long_context --models minilm-l6-16k --lengths 8192 16384 --dtype bf16 --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import (
+    MEMORY_ENV,
+    environment,
+    joined_articles,
+    load_average,
+    memory_status,
+    release_free_memory,
+    reset_peak,
+    run_worker,
+    squad_articles,
+    table_lines,
+    tensor_peak_bytes,
+    times,
+    tokens,
+)
 
 MODELS = {
     "minilm-l6-16k": (1024, 2048, 4096, 8192, 16384),
     "modernbert-base": (2048, 4096, 8192),
     "xlmr-large-8k": (2048, 4096, 8192),
 }
-#: Environment of the peak-memory processes. glibc raises its mmap threshold (up to 32 MiB) each time a
-#: large block is freed; from then on freed activations of a long document (25 MiB each at 16k tokens
-#: for MiniLM) stay in the heap and count in the resident set, more or less from run to run: one forward
-#: of minilm-l6-16k at 16,384 tokens peaked between 397 and 520 MiB above its start over five runs,
-#: patched or not. With the threshold fixed at glibc's initial 128 KiB both peaked at 321 MiB.
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 #: Forwards of the resident-set measure (median and range reported; ``--memory-forwards``).
 MEMORY_FORWARDS = 5
 #: Tokens of the timing processes' warm-up forward: long enough that the patched model clusters (its
@@ -85,18 +91,6 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # --------------------------------------------------------------------------------------------------
 
 
-def squad_articles() -> list[str]:
-    """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
-    import gzip
-
-    from bert_cluster.datafiles import PACKAGE_DATA
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
-
-    with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
-        document = json.load(handle)
-    return articles_from_paragraphs(document["paragraphs"], document["questions"]).documents
-
-
 def build_model(name: str, cache: str | None, folder: str | None = None):
     """The model (eval mode, SDPA attention) and a function giving input ids of a length for document i."""
     import torch
@@ -113,9 +107,7 @@ def build_model(name: str, cache: str | None, folder: str | None = None):
         articles = squad_articles()
 
         def inputs(length: int, document: int):
-            # Articles joined from a different starting article per document, cut at `length` tokens.
-            start = (document * 7) % len(articles)
-            text = "\n\n".join(articles[start:] + articles[:start])
+            text = joined_articles(articles, document)  # cut at `length` tokens
             return tokenizer(text, truncation=True, max_length=length, return_tensors="pt")["input_ids"]
 
         return model.eval(), inputs
@@ -152,62 +144,6 @@ def build_model(name: str, cache: str | None, folder: str | None = None):
         return torch.randint(1000, config.vocab_size - 1000, (1, length), generator=generator)
 
     return model.eval(), random_inputs
-
-
-def memory_status() -> dict[str, float]:
-    """The process's resident set now (VmRSS) and its peak so far (VmHWM), MiB (Linux)."""
-    found = {}
-    with open("/proc/self/status", encoding="ascii") as handle:
-        for line in handle:
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                found[line[:5]] = int(line.split()[1]) / 1024
-    if len(found) != 2:
-        raise RuntimeError("no VmHWM/VmRSS in /proc/self/status (Linux only)")
-    return found
-
-
-def release_free_memory() -> bool:
-    """Hand the allocator's free memory back to the system (glibc's ``malloc_trim``), where there is one.
-
-    Without it the resident set before a forward includes freed blocks the forward then reuses, so that
-    "the forward's own" memory reads 0 for one process and 12 MiB for the next (minilm-l6-16k, 2,048
-    tokens: which blocks were free, and where, depends on what loading the model left behind).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError, TypeError):
-        return False
-
-
-def tensor_peak_bytes(run) -> int:
-    """The peak of the bytes held by CPU tensors while ``run()`` runs, above those held when it began."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run()
-    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        if event.device_type() == DeviceType.CPU:
-            live += event.nbytes()
-            peak = max(peak, live)
-    return peak
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current resident set (``5`` to /proc/self/clear_refs, Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -322,28 +258,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_job(job: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     """Run one job in a fresh Python process; an error becomes ``{"error": ...}``."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"])}
-    if job["mode"] == "memory":
-        env.update(MEMORY_ENV)
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or [
-            f"exit {done.returncode}"
-        ]
-        return {"error": tail[0][:300]}
-    return json.loads(lines[-1])
-
-
-def load_average() -> list[float] | None:
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
+    threads = str(job["threads"])
+    memory = MEMORY_ENV if job["mode"] == "memory" else {}
+    return run_worker(__spec__.name, job, timeout, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **memory)
 
 
 def summarise(
@@ -526,42 +443,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
-def environment(threads: int) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    import bert_cluster
-
-    try:
-        git = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                check=False,
-                cwd=Path(__file__).resolve().parent,
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        git = None
-    info = bert_cluster.info()
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "bert_cluster": bert_cluster.__version__,
-        "git": git,
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        "memory_env": MEMORY_ENV,
-        "kernels_loaded": info.get("kernels_loaded"),
-        "auto_backend_cpu": info.get("auto_backend_cpu"),
-        "platform": platform.platform(),
-    }
-
-
 def summarise_files(paths: list[Path], output: Path) -> None:
     """Merge the rows of earlier runs (re-summarised from their raw measurements) into one report."""
     rows, runs = [], []
@@ -652,7 +533,7 @@ def main() -> None:
     rows, began = [], time.perf_counter()
     result = {
         "settings": {**vars(args), "output": str(args.output), "convert": convert or "defaults"},
-        "environment": environment(args.threads),
+        "environment": {**environment(args.threads), "memory_env": MEMORY_ENV},
         "load_average_start": load_average(),
         "rows": rows,
     }
@@ -703,6 +584,107 @@ def main() -> None:
     markdown.write_text(markdown_table(rows), encoding="utf-8")
     load = f"load average {result['load_average_start']} -> {result['load_average_end']}"
     print(f"wrote {args.output}, {markdown} and {png} ({load})")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def dtype_table(results: list[dict]) -> list[str]:
+    """One model in fp32 and bf16 (timing runs): speed against the unmodified model in the same dtype, and
+    the embeddings' cosine to the fp32 unmodified model's."""
+    rows = []
+    for result in results:
+        for row in result["rows"]:
+            target = f" (≥ {row['target_speedup']:.1f}×)" if "target_speedup" in row else ""
+            torch_cosine = f"{row['sdpa_cosine_min']:.4f}" if "sdpa_cosine_min" in row else "1 (itself)"
+            rows.append(
+                [
+                    row.get("dtype", "fp32"),
+                    tokens(row["length"]),
+                    f"{row['sdpa_s']:.2f}",
+                    f"{row['patched_s']:.2f}",
+                    f"**{times(row['speedup'])}**{target}",
+                    f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                    torch_cosine,
+                ]
+            )
+    header = [
+        "dtype",
+        "tokens",
+        "unmodified s/doc",
+        "patched s/doc",
+        "speedup (target)",
+        "patched cosine to fp32 unmodified, mean / min",
+        "unmodified's own, min",
+    ]
+    first = results[0]
+    environment = first["environment"]
+    settings = first["settings"]
+    caption = (
+        f"{', '.join(sorted({r['rows'][0]['model'] for r in results}))}, {environment['threads']} threads, "
+        f"{settings['documents']} documents × {settings['repeats']} repeats per length, convert's defaults; "
+        f"torch {environment['torch']}; {', '.join(sorted({r['environment']['date'][:10] for r in results}))}"
+        "."
+    )
+    return table_lines(header, "lrrrrrr", rows) + ["", caption]
+
+
+def models_table(results: list[dict]) -> list[str]:
+    """Time rows from the timing runs, memory from the memory runs (results: timing files, then memory)."""
+    half = len(results) // 2
+    timed = {(r["model"], r["length"]): r for res in results[:half] for r in res["rows"]}
+    memory = {(r["model"], r["length"]): r for res in results[half:] for r in res["rows"]}
+    rows = []
+    for key, row in timed.items():
+        mem = memory.get(key, {})
+        target = f" (≥ {row['target_speedup']:.1f}×)" if "target_speedup" in row else ""
+        speedup = f"**{times(row['speedup'])}**{target}" if target else times(row["speedup"])
+        tensor = f"{mem['sdpa_tensor_peak_mib']:,.1f} / {mem['patched_tensor_peak_mib']:,.1f}" if mem else ""
+        resident = f"{mem['sdpa_extra_mib']:,.0f} / {mem['patched_extra_mib']:,.0f}" if mem else ""
+        rows.append(
+            [
+                key[0],
+                tokens(key[1]),
+                f"{row['sdpa_s']:.2f}",
+                f"{row['patched_s']:.2f}",
+                speedup,
+                f"{row['cosine_mean']:.3f} / {row['cosine_min']:.3f}",
+                tensor,
+                resident,
+            ]
+        )
+    header = [
+        "model",
+        "tokens",
+        "SDPA s/doc",
+        "patched s/doc",
+        "speedup (target)",
+        "cosine mean / min",
+        "tensor peak MiB SDPA / patched",
+        "resident MiB SDPA / patched",
+    ]
+    env = results[0]["environment"]
+    dates = sorted({res["environment"]["date"][:10] for res in results})
+    commits = sorted({res["environment"]["git"][:7] for res in results})
+    caption = (
+        f"{env['threads']} threads, one process per model and length, convert's defaults; "
+        f"torch {env['torch']}; runs of {', '.join(dates)} (commits {', '.join(commits)})."
+    )
+    return table_lines(header, "lrrrrlrr", rows) + ["", caption]
+
+
+def proxy_speedup(results: list[dict], n: int) -> float | None:
+    """The MiniLM-16k proxy's speedup over the unmodified model at n tokens in fp32 (timing runs)."""
+    for result in results:
+        for row in result["rows"]:
+            if (
+                row.get("model") == "minilm-l6-16k"
+                and row["length"] == n
+                and row.get("dtype", "fp32") == "fp32"
+                and "speedup" in row
+            ):
+                return row["speedup"]
+    return None
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ between N/8 and N (what an evaluation feeds: SDPA gets the padding mask, as tran
 row (min_length=0): they measure the kernels, not the routing of short rows. Each other clustered mode
 is also given as a cost ratio to i-clustered on the same backend (issue 13's budget for i-clustered+).
 
-    python scripts/bench_attention.py --threads 2 --output results/bench_attention.json
-    python scripts/bench_attention.py --mixed --dtype bf16 --lengths 512 --methods sdpa kernel-i-clustered
-    python scripts/bench_attention.py --lengths 8192 16384 32768 --methods sdpa kernel-i-clustered --repeats 3
-    python scripts/bench_attention.py --lengths 384 4096 --methods sdpa kernel-i-clustered kernel-i-clustered+
-    python scripts/bench_attention.py --growth --head-dim 32 --lengths 8192 --methods sdpa kernel-i-clustered+
+    python -m benchmarks.attention --threads 2 --output results/bench_attention.json
+    python -m benchmarks.attention --mixed --dtype bf16 --lengths 512 --methods sdpa kernel-i-clustered
+    python -m benchmarks.attention --lengths 8192 16384 32768 --methods sdpa kernel-i-clustered --repeats 3
+    python -m benchmarks.attention --lengths 384 4096 --methods sdpa kernel-i-clustered kernel-i-clustered+
+    python -m benchmarks.attention --growth --head-dim 32 --lengths 8192 --methods sdpa kernel-i-clustered+
 """
 
 from __future__ import annotations
@@ -29,14 +29,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
-from datetime import datetime, timezone
+from collections.abc import Sequence
 from pathlib import Path
+
+from benchmarks.harness import (
+    environment,
+    joined,
+    load_average,
+    memory_status,
+    module_command,
+    module_env,
+    ms,
+    runs,
+    table_lines,
+    time_rounds,
+    times,
+    tokens,
+)
 
 METHODS = (
     "sdpa",
@@ -49,8 +61,8 @@ METHODS = (
     "kernel-i-clustered+",
 )
 # Fixed C and k at every length (the settings of issue 12's targets); with --growth, C and k grow with the
-# length as convert's defaults make them (also measured end to end by bench_long_context.py and
-# bench_length_scaling.py).
+# length as convert's defaults make them (also measured end to end by benchmarks.long_context and
+# benchmarks.length_scaling).
 SETTINGS = {
     "clusters": 25,
     "topk": 32,
@@ -140,15 +152,6 @@ def make_call(
     return lambda: clustered_attention(q, k, v, valid, config=config)
 
 
-def _peak_rss_kib() -> int:
-    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries that across fork and exec,
-    so a child started by a big parent would report the parent's peak."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
-
-
 def memory_case(
     method: str,
     n: int,
@@ -160,26 +163,23 @@ def memory_case(
     mixed: int,
     growth: int,
 ) -> float:
-    """Run in a fresh interpreter: MiB the call adds to the process's peak RSS."""
+    """Run in a fresh interpreter: MiB the call adds to the process's peak RSS (VmHWM; not ru_maxrss: Linux
+    carries that across fork and exec, so a child started by a big parent would report the parent's)."""
     import torch
 
     torch.set_num_threads(threads)
     with torch.inference_mode():
         make_call(method, 16, heads, head_dim, "cpu", dtype)()  # load kernels, initialise threads/allocator
         call = make_call(method, n, heads, head_dim, "cpu", dtype, batch, bool(mixed), bool(growth))
-        before = _peak_rss_kib()
+        before = memory_status()["VmHWM"]
         call()
-        after = _peak_rss_kib()
-    return (after - before) / 1024.0
+        after = memory_status()["VmHWM"]
+    return after - before
 
 
 def measure_memory(method: str, n: int, args) -> float:
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import bench_attention as b; "
-        "a = sys.argv; print(b.memory_case(a[2], *map(int, a[3:7]), a[7], *map(int, a[8:11])))"
-    )
     argv = [
-        str(Path(__file__).parent),
+        "--memory-case",
         method,
         str(n),
         str(args.heads),
@@ -190,9 +190,9 @@ def measure_memory(method: str, n: int, args) -> float:
         str(int(args.mixed)),
         str(int(args.growth)),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = module_env(OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, check=True
+        [*module_command(__spec__.name), *argv], capture_output=True, text=True, env=env, check=True
     )
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -203,7 +203,7 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
 
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else None
     times: dict[tuple[str, int], list[float]] = {}
     peaks: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
@@ -226,22 +226,14 @@ def time_all(lengths, args) -> tuple[dict[tuple[str, int], list[float]], dict[tu
             for method, call in calls.items():
                 call()  # warm-up
                 if cuda:
-                    sync()
+                    torch.cuda.synchronize()
                     base = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
                     call()
-                    sync()
+                    torch.cuda.synchronize()
                     peaks[(method, n)] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            rounds = [list(calls.items())] * args.repeats  # interleaved: every method once per round
-            if args.order == "blocked":
-                rounds = [[(method, call)] * args.repeats for method, call in calls.items()]
-            for round_calls in rounds:
-                for method, call in round_calls:
-                    sync()
-                    start = time.perf_counter()
-                    call()
-                    sync()
-                    times.setdefault((method, n), []).append(time.perf_counter() - start)
+            measured = time_rounds(calls, args.repeats, args.order, sync)
+            times.update({(method, n): seconds for method, seconds in measured.items()})
             print(f"  timed N={n}", file=sys.stderr)
     return times, peaks
 
@@ -312,23 +304,26 @@ def main() -> None:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory subprocesses")
     parser.add_argument("--output", type=Path, default=Path("results/bench_attention.json"))
+    parser.add_argument("--memory-case", nargs=9, help=argparse.SUPPRESS)  # measure_memory's child
     args = parser.parse_args()
+    if args.memory_case:
+        method, n, heads, head_dim, threads, dtype, batch, mixed, growth = args.memory_case
+        sizes = (int(n), int(heads), int(head_dim), int(threads))
+        print(memory_case(method, *sizes, dtype, int(batch), int(mixed), int(growth)))
+        return
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
     import torch
 
-    from bert_cluster import environment
-    from bert_cluster._build import build_info
-
-    info = build_info()
-    if "kernel" in " ".join(args.methods) and not info["kernels_loaded"]:
-        parser.error(f"the kernels are not available: {info['kernels_reason']}")
+    machine = environment(args.threads)
+    if "kernel" in " ".join(args.methods) and not machine["kernels_loaded"]:
+        parser.error(f"the kernels are not available: {machine['kernels_reason']}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a visible CUDA GPU")
-    load_before = os.getloadavg()
+    load_before = load_average()
     times, cuda_peaks = time_all(args.lengths, args)
-    load_after = os.getloadavg()
+    load_after = load_average()
     from bert_cluster import ClusteredAttentionConfig
 
     settings = ClusteredAttentionConfig(**clustered_settings(args.growth))
@@ -373,20 +368,19 @@ def main() -> None:
                 "(median of per-round ratios)"
             )
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": machine["date"],
         "machine": {
-            "platform": platform.platform(),
-            "processor": environment.cpu_name(),
-            "threads": args.threads,
+            **{key: machine[key] for key in ("platform", "processor", "threads")},
             "load_average_before": load_before,
             "load_average_after": load_after,
         },
-        "torch": str(torch.__version__),
+        "torch": machine["torch"],
         "kernels": {
-            k: info.get(k) for k in ("kernels_loaded", "kernels_reason", "compiler", "kernels_cpu_isa")
+            k: machine[k] for k in ("kernels_loaded", "kernels_reason", "compiler", "kernels_cpu_isa")
         },
         # torch's own ISA (ATEN_CPU_CAPABILITY lowers it, as BERT_CLUSTER_CPU_ISA lowers the kernels')
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_cpu_capability": machine["torch_cpu_capability"],
+        "environment": machine,
         "device": args.device,
         "shape": {
             "rows": MIXED_ROWS if args.mixed else args.batch,
@@ -417,6 +411,114 @@ def _paired_ratio(times, method: str, n: int) -> float | None:
     if mode in ("", "i-clustered") or (method, n) not in times or base not in times:
         return None
     return statistics.median(t / b for t, b in zip(times[(method, n)], times[base], strict=True))
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+#: The method names of this benchmark and their column headings.
+HEADINGS = {
+    "kernel-i-clustered": "i-clustered",
+    "kernel-i-clustered+": "i-clustered+",
+    "kernel-clustered": "clustered",
+}
+
+
+DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def attention_row(result: dict, n: int, method: str) -> dict | None:
+    return next((r for r in result["rows"] if r["n"] == n and r["method"] == method), None)
+
+
+def machine_line(result: dict) -> str:
+    """CPU, kernel library (ISA) and torch's own CPU capability, as the run recorded them."""
+    processor = result["machine"].get("processor", "?")
+    isa = result["kernels"].get("kernels_cpu_isa", "one library (before the per-ISA builds)")
+    capability = result.get("torch_cpu_capability")
+    parts = [processor, f"kernels {isa}"]
+    if capability:
+        parts.append(f"torch {capability}")
+    return ", ".join(parts)
+
+
+def attention_caption(results: Sequence[dict]) -> str:
+    first = results[0]
+    shape = first["shape"]
+    rows = f"{shape['rows']} padded rows of mixed lengths" if shape["mixed_lengths"] else "1 row"
+    dates = sorted({r["date"][:10] for r in results})
+    return (
+        f"{machine_line(first)}; {first['machine']['threads']} threads; {rows}, {shape['heads']} heads × "
+        f"{shape['head_dim']}; {first['timing']}; {runs(len(results))} of {', '.join(dates)}."
+    )
+
+
+def speed_table(
+    results: list[dict], methods: Sequence[str], by_dtype: bool = True, with_settings: bool = False
+) -> list[str]:
+    """N (and dtype) per row, SDPA's and each method's median ms per run, "a / b" over runs."""
+    groups: dict[str, list[dict]] = {}
+    for result in results:
+        groups.setdefault(DTYPE_LABELS[result["shape"]["dtype"]], []).append(result)
+    header = ["N"] + (["dtype"] if by_dtype else []) + (["C, k"] if with_settings else [])
+    header += ["SDPA ms"] + [f"{HEADINGS[m]} ms (× SDPA)" for m in methods]
+    rows = []
+    for dtype, group in groups.items():
+        for n in sorted({r["n"] for r in group[0]["rows"]}):
+            row = [tokens(n)] + ([dtype] if by_dtype else [])
+            if with_settings:
+                clusters, topk = attention_row(group[0], n, methods[0])["clusters_topk"]
+                row.append(f"{clusters}, {topk}")
+            row.append(joined([ms(attention_row(r, n, "sdpa")["median_ms"]) for r in group]))
+            for method in methods:
+                found = [attention_row(r, n, method) for r in group]
+                if any(f is None for f in found):
+                    row.append("")
+                    continue
+                row.append(
+                    f"{joined([ms(f['median_ms']) for f in found])} "
+                    f"({joined([times(f['speedup_vs_sdpa']) for f in found])})"
+                )
+            rows.append(row)
+    align = ["r"] + (["l"] if by_dtype else []) + (["r"] if with_settings else [])
+    align += ["r"] * (1 + len(methods))
+    return table_lines(header, align, rows) + ["", attention_caption(results)]
+
+
+def cost_table(results: list[dict]) -> list[str]:
+    """i-clustered+ against i-clustered, back to back (the results' ``cost_vs_i_clustered``)."""
+    (result,) = results
+    rows = []
+    for n in sorted({r["n"] for r in result["rows"]}):
+        sdpa, plain, plus = (
+            attention_row(result, n, m) for m in ("sdpa", "kernel-i-clustered", "kernel-i-clustered+")
+        )
+        rows.append(
+            [
+                tokens(n),
+                ms(sdpa["median_ms"]),
+                ms(plain["median_ms"]),
+                ms(plus["median_ms"]),
+                f"**{plus['cost_vs_i_clustered']:.2f}**",
+            ]
+        )
+    header = [
+        "N",
+        "SDPA ms",
+        "i-clustered ms",
+        "i-clustered+ ms",
+        "i-clustered+ / i-clustered (target ≤ 1.2)",
+    ]
+    return table_lines(header, "rrrrr", rows) + ["", attention_caption(results)]
+
+
+def lowest_ratio(results: list[dict], n: int) -> float | None:
+    """i-clustered's × SDPA at N in fp32, the lower over the runs."""
+    found = [
+        attention_row(r, n, "kernel-i-clustered")
+        for r in results
+        if DTYPE_LABELS[r["shape"]["dtype"]] == "fp32" and not r["shape"]["mixed_lengths"]
+    ]
+    return min((f["speedup_vs_sdpa"] for f in found if f), default=None)
 
 
 if __name__ == "__main__":

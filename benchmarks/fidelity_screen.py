@@ -15,11 +15,11 @@ or more changes written here in plain PyTorch:
 
 The model, its windows and the unmodified score are loaded once; every candidate then runs at every
 cluster count on the same questions. Time: median over interleaved repeats of the attention call alone
-(batch 1, 12 heads, bench_attention.py's shape) at each N, as a ratio to ``base`` in the same run; the
+(batch 1, 12 heads, ``benchmarks.attention``'s shape) at each N, as a ratio to ``base`` in the same run; the
 steps written here in PyTorch are slower than a kernel would be, so that ratio bounds the cost from above.
 Prints a table and writes JSON.
 
-    python scripts/fidelity_screen.py /tmp/w4-models/minilm-l6-squad \\
+    python -m benchmarks.fidelity_screen /tmp/w4-models/minilm-l6-squad \\
         --data-dir ../shared/models/minilm-l6-squad/eval --limit 1000 --clusters 10,25 \\
         --candidates base lloyd3 mass90 sinks4 lloyd3+mass90 --output docs/results/fidelity_screen.json
 """
@@ -27,19 +27,23 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import platform
 import re
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import (
+    environment,
+    signed,
+    table_lines,
+    time_rounds,
+)
 from bert_cluster import attention, reference
 from bert_cluster.config import ClusteredAttentionConfig
 
@@ -65,13 +69,9 @@ def parse_candidate(name: str) -> dict[str, int]:
     return parts
 
 
-def _gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    return reference._gather_rows(tensor, indices)
-
-
 def _keep_by_mass(centroids, keys, values, indices, mass, share: float, scaling: float):
     """Cut each cluster's top keys (sorted by score) once they cover ``share`` of the centroid's mass."""
-    top_keys = _gather(keys.float(), indices)
+    top_keys = reference.gather_rows(keys.float(), indices)
     scores = torch.einsum("rhcd,rhckd->rhck", centroids, top_keys) * scaling
     scores = scores.masked_fill(indices < 0, -math.inf)
     weights = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0) * mass[..., None]
@@ -79,7 +79,7 @@ def _keep_by_mass(centroids, keys, values, indices, mass, share: float, scaling:
     keep = (before < share) & (indices >= 0)
     weights = weights * keep
     indices = torch.where(keep, indices, torch.full_like(indices, -1))
-    top_values = torch.einsum("rhck,rhckd->rhcd", weights, _gather(values.float(), indices))
+    top_values = torch.einsum("rhck,rhckd->rhcd", weights, reference.gather_rows(values.float(), indices))
     return indices, weights.sum(-1), top_values, keep.sum(-1).float()
 
 
@@ -96,7 +96,7 @@ def _add_sinks(centroids, counts, keys, values, valid, indices, sinks: int, scal
     sink = torch.where(valid.gather(1, sink.clamp(min=0).flatten(1)).view_as(sink), sink, -1)
     merged = torch.cat([indices, sink], -1)
     picked = weights.gather(-1, merged.clamp(min=0)) * (merged >= 0)
-    top_values = torch.einsum("rhck,rhckd->rhcd", picked, _gather(values.float(), merged))
+    top_values = torch.einsum("rhck,rhckd->rhcd", picked, reference.gather_rows(values.float(), merged))
     return merged, picked.sum(-1), top_values
 
 
@@ -105,7 +105,7 @@ KEY_STATS: list[float] = []
 
 
 def make_pipeline(parts: dict[str, int], max_topk: int) -> Callable:
-    """A drop-in for ``attention._clustered`` running the candidate ``parts``."""
+    """The paper's steps with the candidate ``parts``, for ``attention.replaced_steps``."""
 
     def pipeline(backend, query, key, value, valid, config, clusters, topk, scaling, layer):
         planes, offsets = attention.hash_planes(
@@ -176,67 +176,57 @@ def score_candidates(args) -> tuple[dict, list[dict]]:
 
     unmodified, seconds = score(None)
     print(f"unmodified: F1 {unmodified['f1']:.2f} EM {unmodified['exact']:.2f} ({seconds:.0f} s)", flush=True)
-    original = attention._clustered
     rows = []
-    try:
-        for name in args.candidates:
-            parts = parse_candidate(name)
-            for clusters in args.clusters:
-                attention._clustered = make_pipeline(parts, args.max_topk)
-                KEY_STATS.clear()
-                config = ClusteredAttentionConfig(clusters=clusters, topk=args.topk, seed=args.seed)
-                try:
-                    scores, seconds = score(config)
-                finally:
-                    attention._clustered = original
-                row = {
-                    "candidate": name,
-                    "clusters": clusters,
-                    "f1": scores["f1"],
-                    "exact": scores["exact"],
-                    "f1_change": scores["f1"] - unmodified["f1"],
-                    "exact_change": scores["exact"] - unmodified["exact"],
-                    "mean_keys_per_cluster": statistics.fmean(KEY_STATS) if KEY_STATS else None,
-                    "eval_seconds": seconds,
-                }
-                rows.append(row)
-                print(
-                    f"{name:>20} C={clusters:<3} F1 {row['f1']:.2f} ({row['f1_change']:+.2f}) "
-                    f"EM {row['exact']:.2f} ({row['exact_change']:+.2f}) "
-                    f"keys/cluster {row['mean_keys_per_cluster']:.1f} ({seconds:.0f} s)",
-                    flush=True,
-                )
-                if args.output:
-                    _write(args, unmodified, rows, {})
-    finally:
-        attention._clustered = original
+    for name in args.candidates:
+        parts = parse_candidate(name)
+        for clusters in args.clusters:
+            KEY_STATS.clear()
+            config = ClusteredAttentionConfig(clusters=clusters, topk=args.topk, seed=args.seed)
+            with attention.replaced_steps(make_pipeline(parts, args.max_topk)):
+                scores, seconds = score(config)
+            row = {
+                "candidate": name,
+                "clusters": clusters,
+                "f1": scores["f1"],
+                "exact": scores["exact"],
+                "f1_change": scores["f1"] - unmodified["f1"],
+                "exact_change": scores["exact"] - unmodified["exact"],
+                "mean_keys_per_cluster": statistics.fmean(KEY_STATS) if KEY_STATS else None,
+                "eval_seconds": seconds,
+            }
+            rows.append(row)
+            print(
+                f"{name:>20} C={clusters:<3} F1 {row['f1']:.2f} ({row['f1_change']:+.2f}) "
+                f"EM {row['exact']:.2f} ({row['exact_change']:+.2f}) "
+                f"keys/cluster {row['mean_keys_per_cluster']:.1f} ({seconds:.0f} s)",
+                flush=True,
+            )
+            if args.output:
+                _write(args, unmodified, rows, {})
     return unmodified, rows
 
 
 def time_candidates(args) -> dict:
     """Attention time of each candidate at each N relative to ``base`` (median of interleaved repeats)."""
     generator = torch.Generator().manual_seed(0)
-    original = attention._clustered
     out = {}
     torch.set_num_threads(args.threads)
     config = ClusteredAttentionConfig(clusters=25, topk=args.topk, seed=args.seed)
+
+    def run(pipeline: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        with attention.replaced_steps(pipeline):
+            attention.clustered_attention(q, k, v, config=config)
+
     with torch.inference_mode():
         for n in args.lengths:
             q, k, v = (torch.randn(1, 12, n, 64, generator=generator) for _ in range(3))
-            pipelines = {
-                name: make_pipeline(parse_candidate(name), args.max_topk) for name in args.candidates
+            calls = {
+                name: functools.partial(run, make_pipeline(parse_candidate(name), args.max_topk), q, k, v)
+                for name in args.candidates
             }
-            times: dict[str, list[float]] = {name: [] for name in pipelines}
-            try:
-                for round_ in range(args.repeats + 1):
-                    for name, pipeline in pipelines.items():
-                        attention._clustered = pipeline
-                        start = time.perf_counter()
-                        attention.clustered_attention(q, k, v, config=config)
-                        if round_ > 0:  # round 0 warms up
-                            times[name].append(time.perf_counter() - start)
-            finally:
-                attention._clustered = original
+            for call in calls.values():  # a warm-up round
+                call()
+            times = time_rounds(calls, args.repeats)
             base = statistics.median(times["base"]) if "base" in times else float("nan")
             out[str(n)] = {
                 name: {"median_ms": 1e3 * statistics.median(t), "ratio_to_base": statistics.median(t) / base}
@@ -247,10 +237,11 @@ def time_candidates(args) -> dict:
 
 
 def _write(args, unmodified, rows, timing) -> None:
+    machine = environment(args.threads)
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "threads": args.threads},
-        "torch": str(torch.__version__),
+        "date": machine["date"],
+        "machine": {key: machine[key] for key in ("platform", "threads")},
+        "torch": machine["torch"],
         "model": str(args.model),
         "data": str(args.data_dir),
         "questions": args.limit,
@@ -301,6 +292,31 @@ def main() -> None:
     if args.output:
         _write(args, unmodified, rows, timing)
         print(f"wrote {args.output}")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def table(results: list[dict]) -> list[str]:
+    (result,) = results
+    candidates = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+    clusters = sorted({r["clusters"] for r in result["rows"]})
+    rows = []
+    for candidate in candidates:
+        found = {r["clusters"]: r for r in result["rows"] if r["candidate"] == candidate}
+        keys = sorted({f"{found[c]['mean_keys_per_cluster']:.0f}" for c in clusters if c in found})
+        rows.append(
+            [candidate]
+            + [signed(found[c]["f1_change"]) if c in found else "" for c in clusters]
+            + ["-".join(keys)]
+        )
+    header = ["candidate"] + [f"F1 change C = {c}" for c in clusters] + ["keys per cluster"]
+    caption = (
+        f"first {result['questions']:,} held-out questions, seed {result['seed']}, k = {result['topk']}; "
+        "unmodified "
+        f"F1 {result['unmodified']['f1']:.2f}, EM {result['unmodified']['exact']:.2f}."
+    )
+    return table_lines(header, "l" + "r" * (len(header) - 1), rows) + ["", caption]
 
 
 if __name__ == "__main__":

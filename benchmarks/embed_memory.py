@@ -12,9 +12,9 @@ Targets (issue 41): 1,000,000 documents within 2 GiB, and within 10% of 100,000 
 ``--baseline PATH`` runs the same corpora with the ``bert_cluster`` of another checkout (e.g. the
 main branch before streaming) for comparison; its rows say ``"implementation": "baseline"``.
 
-    python scripts/bench_embed_memory.py --output docs/results/bench_embed_memory/zen4.json
-    python scripts/bench_embed_memory.py --documents 10000 100000 --baseline /path/to/old/checkout
-    python scripts/bench_embed_memory.py --documents 2000 --shard-size 500   # a quick check
+    python -m benchmarks.embed_memory --output docs/results/bench_embed_memory/zen4.json
+    python -m benchmarks.embed_memory --documents 10000 100000 --baseline /path/to/old/checkout
+    python -m benchmarks.embed_memory --documents 2000 --shard-size 500   # a quick check
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_long_context import environment, load_average  # noqa: E402
+from benchmarks.harness import environment, load_average, table_lines
 
 DEFAULT_DOCUMENTS = (100_000, 1_000_000)
 #: Issue 41's targets: the largest corpus's peak under this, and within this ratio of the smallest's.
@@ -192,10 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["largest_peak_mib"] < PEAK_LIMIT_MIB
         and summary["largest_over_smallest_peak"] < PEAK_RATIO_LIMIT
     )
-    machine = environment(args.threads)
-    machine.pop("memory_env", None)  # bench_long_context's allocator setting, not set here
     results = {
-        "environment": machine,
+        "environment": environment(args.threads),
         "settings": {
             "model": args.model or "random 2-layer BERT, hidden 32, all-MiniLM-L6-v2's tokenizer",
             "exact": args.exact,
@@ -214,6 +210,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results
+
+
+# --- tables (benchmarks.render) ----------------------------------------------------------------------
+
+
+def table(data: list[dict]) -> list[str]:
+    """embed's peak resident memory and throughput against the corpus size (this benchmark's results)."""
+    rows = []
+    for result in data:
+        for run in result["runs"]:
+            name = "streaming" if run["implementation"] == "current" else "whole corpus (0.2.0)"
+            rows.append(
+                [
+                    f"{run['documents']:,}",
+                    name,
+                    f"{run['peak_rss_mib']:,.0f}",
+                    f"{run['documents_per_second']:,.0f}",
+                ]
+            )
+    lines = table_lines(
+        ["documents", "implementation", "peak resident MiB", "documents/s (wall)"], "rlrr", rows
+    )
+    first, summary = data[0], data[0]["summary"]
+    settings, environment = first["settings"], first["environment"]
+    lines += [
+        "",
+        f"{settings['model']}; shards of {settings['shard_size']:,}, {settings['threads']} threads; "
+        f"the largest corpus's peak is {summary['largest_over_smallest_peak']:.3f}x the smallest's "
+        f"(targets: below {summary['targets']['peak_mib_below']:,} MiB and "
+        f"{summary['targets']['ratio_below']}x); the process holds "
+        f"{first['runs'][0]['rss_before_embed_mib']:,.0f} MiB before the run; AMD EPYC (Zen 4), "
+        f"{environment['date'][:10]}. The machine was shared (load average 4-16): the rates are its load's; "
+        "the 50,000-document pair ran back to back.",
+    ]
+    return lines
 
 
 if __name__ == "__main__":
