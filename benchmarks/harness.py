@@ -245,13 +245,19 @@ def tensor_peak_bytes(run: Callable[[], Any]) -> int:
 # --- inputs ----------------------------------------------------------------------------------------------
 
 
-def squad_articles() -> list[str]:
-    """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
+def squad_dev() -> dict[str, Any]:
+    """The SQuAD v1.1 dev file bert-cluster ships: ``paragraphs`` (id, context) and ``questions``."""
     from bert_cluster.datafiles import PACKAGE_DATA
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
 
     with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
-        document = json.load(handle)
+        return json.load(handle)
+
+
+def squad_articles() -> list[str]:
+    """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
+    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+
+    document = squad_dev()
     return articles_from_paragraphs(document["paragraphs"], document["questions"]).documents
 
 

@@ -1,7 +1,8 @@
 """Loading models and checkpoints, the one way every feature does: resolve, check, load quietly, convert.
 
 ``package:NAME`` / folder / hub id resolution, a checkpoint with the head a task needs, a bare encoder,
-a ``SentenceTransformer``; the attention settings a model is converted with (``attention_config``) and
+a ``SentenceTransformer`` (and one ready to encode: ``open_sentence_encoder`` / ``encode_batch``, the one
+path of ``embed`` and ``serve``); the attention settings a model is converted with (``attention_config``) and
 a converted checkpoint saved to a folder (``convert_checkpoint``); padding a batch of tokenized features.
 
 A checkpoint saved converted loads converted: the hook ``bert_cluster/__init__`` installs (the package
@@ -11,6 +12,7 @@ is always imported before this module) re-applies its setting when transformers 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -184,6 +186,98 @@ def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise UserError(f"cannot load model {model!r} ({path}): {one_line(error)}") from None
     return encoder.eval(), path
+
+
+#: The dtypes a sentence encoder runs in (its embeddings are float32 either way).
+ENCODER_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass
+class SentenceEncoder:
+    """A ``SentenceTransformer`` set up to encode (truncation, dtype, attention) and what its modules do."""
+
+    model: Any
+    path: str
+    #: The modules' names, pooling, whether it normalises or has a Dense layer (embed's manifest says so).
+    modules: dict[str, Any]
+    #: The longest input the model's positions allow (None when its config does not say).
+    positions: int | None
+    #: Truncation in tokens: longer inputs are cut here.
+    max_length: int
+
+
+def open_sentence_encoder(
+    model: str | Path,
+    device: str,
+    dtype: str = "float32",
+    max_length: int | None = None,
+    config: ClusteredAttentionConfig | None = None,
+) -> SentenceEncoder:
+    """``model`` loaded on ``device`` in ``dtype``, truncating at ``max_length``, converted with ``config``.
+
+    ``max_length`` defaults to the model's positions; ``config`` None keeps the model's own attention.
+
+    Raises:
+        UserError: an unknown dtype, a model that cannot be loaded, or a ``max_length`` past the model's
+            positions.
+        ValueError: a model ``convert`` cannot patch.
+    """
+    if dtype not in ENCODER_DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(ENCODER_DTYPES)}, got {dtype!r}")
+    encoder, path = load_sentence_encoder(model, device)
+    if dtype == "bfloat16":
+        encoder.to(torch.bfloat16)
+    names = [type(module).__name__ for module in encoder]
+    pooling = next((module for module in encoder if type(module).__name__ == "Pooling"), None)
+    plain = not (Path(path) / "modules.json").is_file()
+    modules = {
+        "modules": names,
+        "pooling": getattr(pooling, "pooling_mode", None),
+        "normalize": "Normalize" in names,
+        "dense": "Dense" in names,
+        "sentence_transformers_folder": not plain,
+    }
+    if plain:
+        modules["note"] = (
+            "a plain transformers folder (no modules.json): sentence-transformers added mean pooling"
+        )
+    positions = max_positions(encoder[0].auto_model.config)
+    if max_length is None:
+        max_length = positions or encoder.max_seq_length
+    elif positions is not None and max_length > positions:
+        raise UserError(f"max_length {max_length} is more than the model's {positions} positions")
+    encoder.max_seq_length = max_length
+    if config is not None:
+        from bert_cluster import hf
+
+        hf.convert(encoder, config=config)
+    return SentenceEncoder(encoder, path, modules, positions, max_length)
+
+
+#: Texts per tokenizer call while counting tokens (a fast tokenizer spreads a call over its threads).
+COUNT_CHUNK = 1024
+
+
+def count_tokens(tokenizer: Any, texts: Sequence[str], lowercase: bool = False) -> list[int]:
+    """Each text's token count with special tokens and without truncation (truncation is reported)."""
+    counts: list[int] = []
+    for start in range(0, len(texts), COUNT_CHUNK):
+        chunk = list(texts[start : start + COUNT_CHUNK])
+        if lowercase:
+            chunk = [text.lower() for text in chunk]
+        # verbose=False: no "longer than the maximum" warning for the documents that will be truncated.
+        encoded = tokenizer(chunk, add_special_tokens=True, truncation=False, verbose=False)
+        counts.extend(len(ids) for ids in encoded["input_ids"])
+    return counts
+
+
+def encode_batch(model: Any, texts: Sequence[str]) -> Any:
+    """``texts`` through ``model`` (a ``SentenceTransformer``) as one padded batch: float32 rows, numpy."""
+    with torch.inference_mode():
+        vectors = model.encode(
+            list(texts), batch_size=len(texts), convert_to_tensor=True, show_progress_bar=False
+        )
+    return vectors.float().cpu().numpy()
 
 
 def pad_batch(

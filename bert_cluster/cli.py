@@ -30,6 +30,7 @@ from typer.core import TyperGroup
 from bert_cluster import __version__
 from bert_cluster.config import BACKENDS, MODES, ClusteredAttentionConfig
 from bert_cluster.inspection import DEFAULT_MAX_ERROR
+from bert_cluster.serve.settings import ServeSettings
 
 #: click's usage error (typer 0.2x vendors its own click): the base of typer.BadParameter.
 _UsageError = next(base for base in typer.BadParameter.__mro__ if base.__name__ == "UsageError")
@@ -185,6 +186,8 @@ SeedOpt = Annotated[
     int | None, typer.Option("--seed", help=f"Seed of the hash planes (default {_DEFAULTS.seed}).")
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+ExactOpt = Annotated[bool, typer.Option("--exact", help="The unmodified model (no clustered attention).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
 BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Batch size.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for machines instead of tables.")]
 OverwriteOpt = Annotated[
@@ -411,13 +414,11 @@ def embed(
         str | None, typer.Option("--json-field", help="A .json mapping: the key of its list of records.")
     ] = None,
     split: Annotated[str | None, typer.Option("--split", help="Split of a dataset with several.")] = None,
-    exact: Annotated[
-        bool, typer.Option("--exact", help="The unmodified model (no clustered attention).")
-    ] = False,
+    exact: ExactOpt = False,
     clusters: ClustersOpt = None,
     mode: ModeOpt = None,
     seed: SeedOpt = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")] = "float32",
+    dtype: DtypeOpt = "float32",
     max_length: Annotated[
         int | None, typer.Option("--max-length", help="Truncation (tokens; default: the model's positions).")
     ] = None,
@@ -501,6 +502,132 @@ def embed(
         highlight=False,
         soft_wrap=True,
     )
+
+
+@app.command()
+@attention_options
+def serve(
+    model: Annotated[
+        str, typer.Argument(help="SentenceTransformer or transformers folder, package:NAME or hub id.")
+    ],
+    exact: ExactOpt = False,
+    clusters: ClustersOpt = None,
+    mode: ModeOpt = None,
+    seed: SeedOpt = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", help="Torch threads in all (default one per core), split between workers."),
+    ] = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (0.0.0.0: every interface; mind --api-key).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
+    workers: Annotated[
+        int, typer.Option("--workers", help="Worker processes (each loads the model; stateless replicas).")
+    ] = 1,
+    model_name: Annotated[
+        str | None, typer.Option("--model-name", help="Name answers carry (default: the folder's name).")
+    ] = None,
+    max_input_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-input-tokens",
+            help="Longest input (tokens); longer ones are refused (413) unless the request asks to truncate "
+            "(default: the model's positions).",
+        ),
+    ] = None,
+    max_batch_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batch-tokens",
+            help="Padded tokens (inputs x longest) per model pass; at least --max-input-tokens "
+            "(default: 16384, or --max-input-tokens if more).",
+        ),
+    ] = None,
+    max_batch_requests: Annotated[
+        int, typer.Option("--max-batch-requests", help="Inputs per model pass.")
+    ] = ServeSettings.max_batch_requests,
+    max_wait_ms: Annotated[
+        float, typer.Option("--max-wait-ms", help="Longest wait for more inputs to fill a batch (ms).")
+    ] = ServeSettings.max_wait_ms,
+    max_client_batch_size: Annotated[
+        int, typer.Option("--max-client-batch-size", help="Inputs per request (more: 413).")
+    ] = ServeSettings.max_client_batch_size,
+    max_concurrent_requests: Annotated[
+        int,
+        typer.Option("--max-concurrent-requests", help="Requests in flight (more: 429 with Retry-After)."),
+    ] = ServeSettings.max_concurrent_requests,
+    payload_limit: Annotated[
+        int, typer.Option("--payload-limit", help="Largest request body in bytes (more: 413).")
+    ] = ServeSettings.payload_limit,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="BERT_CLUSTER_API_KEY",
+            help="Require Authorization: Bearer KEY on every route but /health and /ready.",
+        ),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option("--cors-origin", help="Allow cross-origin requests from this origin; repeatable."),
+    ] = None,
+    grace_s: Annotated[
+        float,
+        typer.Option("--grace-s", help="On SIGTERM/SIGINT: seconds the requests in flight get to finish."),
+    ] = 30.0,
+    warmup: Annotated[
+        bool, typer.Option("--warmup/--no-warmup", help="Run the model once before /ready says ready.")
+    ] = True,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="uvicorn's: info, warning, error...")
+    ] = "info",
+    attention: dict[str, Any] | None = None,
+) -> None:
+    """Serve sentence embeddings over HTTP: OpenAI /v1/embeddings, TEI /embed, probes, /metrics.
+
+    Stops on SIGTERM or Ctrl-C, letting the requests in flight finish (exit 0). docs/serve.md.
+    """
+    from bert_cluster import serve as serving
+    from bert_cluster.errors import UserError
+
+    with user_errors():
+        config = None
+        if exact:
+            given = [
+                name
+                for name, value in (("--clusters", clusters), ("--mode", mode), ("--seed", seed))
+                if value
+            ]
+            given += [f"--{name.replace('_', '-')}" for name in attention or {}]
+            if given:
+                raise UserError(f"--exact serves the unmodified model: drop {', '.join(given)}")
+        else:
+            config = _one_config(ClusteredAttentionConfig.for_convert(), attention, clusters, mode, seed)
+        settings = serving.ServeSettings(
+            model=model,
+            exact=exact,
+            attention=config,
+            device=device,
+            dtype=dtype,
+            threads=threads,
+            model_name=model_name,
+            max_input_tokens=max_input_tokens,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_requests=max_batch_requests,
+            max_wait_ms=max_wait_ms,
+            max_client_batch_size=max_client_batch_size,
+            max_concurrent_requests=max_concurrent_requests,
+            payload_limit=payload_limit,
+            api_key=api_key,
+            cors_origins=tuple(cors_origin or ()),
+            warmup=warmup,
+        )
+        serving.run_server(
+            settings, host=host, port=port, workers=workers, grace_s=grace_s, log_level=log_level.lower()
+        )
 
 
 def _screen(text: str) -> int | str | None:

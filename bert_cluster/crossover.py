@@ -316,3 +316,11 @@ def clear_memory() -> None:
     """Forget the figures read or measured in this process (the cache file stays)."""
     with _LOCK:
         _MEMORY.clear()
+
+
+def measured() -> list[dict[str, Any]]:
+    """The crossovers this process has measured or read from the cache: their facts and ``min_length``.
+
+    Without the lock (a measurement holds it for seconds): a copy of the dict is one atomic step.
+    """
+    return [{**json.loads(name), "min_length": value} for name, value in dict(_MEMORY).items()]

@@ -82,6 +82,7 @@ def test_inspect_and_evaluate_default_to_the_evaluation_preset(presets, monkeypa
         ["convert", "MODEL", "OUT"],
         ["embed", "MODEL", "input.txt", "-o", "OUT"],
         ["inspect", "MODEL", "--text", "a text"],
+        ["serve", "MODEL"],
     ],
     ids=lambda command: command[0],
 )

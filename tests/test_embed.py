@@ -378,7 +378,9 @@ def test_the_lock_is_taken_before_any_work(minilm_dir, corpus, tmp_path, monkeyp
     from bert_cluster.embedding import run
 
     monkeypatch.setattr(run, "open_documents", lambda *a, **k: pytest.fail("input read before the lock"))
-    monkeypatch.setattr(run, "_load", lambda *a, **k: pytest.fail("model loaded before the lock"))
+    monkeypatch.setattr(
+        run, "open_sentence_encoder", lambda *a, **k: pytest.fail("model loaded before the lock")
+    )
     with store.locked(tmp_path / "out"), pytest.raises(UserError, match="being written by another embed run"):
         bert_cluster.embed(minilm_dir, corpus, tmp_path / "out", exact=True)
 

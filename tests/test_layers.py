@@ -1,10 +1,10 @@
 """The package's layers, read from its imports (top-level and inside functions) with ``ast``.
 
 docs/development.md draws the same picture. A module may import its own layer and the layers below it;
-a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``) imports no other feature, save
-that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task definitions and
-data loading (``SHARED``); no module imports a private name (``_x``) of another unit; only the shell
-imports the package's facade (``bert_cluster``).
+a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``, ``serve``) imports no other
+feature, save that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task
+definitions and data loading (``SHARED``); no module imports a private name (``_x``) of another unit;
+only the shell imports the package's facade (``bert_cluster``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_build",
     ),
     "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
-    "features": ("evaluation", "embedding", "inspection", "finetuning"),
+    "features": ("evaluation", "embedding", "inspection", "finetuning", "serve"),
     "shell": ("render", "cli", "__main__"),
 }
 #: Another feature's modules a feature may import (public names only): finetuning, the tasks and rows.
@@ -215,9 +215,14 @@ def private_reaches(source: str) -> list[str]:
 
 
 def python_files() -> list[Path]:
-    """Every Python file of the checkout: the package, benchmarks, scripts, tests, setup.py."""
-    skipped = {".venv", ".venv-cuda", ".venv-peers", ".venv-gpusw", "build", ".git"}
-    return sorted(path for path in REPO.rglob("*.py") if not skipped & set(path.relative_to(REPO).parts[:1]))
+    """Every Python file of the checkout: the package, benchmarks, scripts, tests, setup.py (not a virtual
+    environment's: ``.venv``, ``.venv-peers``, ``.venv-infinity``, ...)."""
+
+    def ours(path: Path) -> bool:
+        top = path.relative_to(REPO).parts[0]
+        return not top.startswith(".venv") and top not in ("build", ".git")
+
+    return sorted(path for path in REPO.rglob("*.py") if ours(path))
 
 
 def test_benchmarks_use_only_the_packages_public_names():

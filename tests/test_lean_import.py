@@ -27,7 +27,8 @@ def test_import_is_lean():
         import torch
         print(json.dumps({
             "modules": sorted(m for m in sys.modules if m.startswith(
-                ("bert_cluster", "transformers", "datasets", "evaluate", "pandas", "matplotlib"))),
+                ("bert_cluster", "transformers", "datasets", "evaluate", "pandas", "matplotlib",
+                 "fastapi", "starlette", "uvicorn", "prometheus_client"))),
             "cuda_initialized": torch.cuda.is_initialized(),
             "ops_namespace_loaded": "bert_cluster" in torch.ops.loaded_libraries or any(
                 "bert_cluster" in str(lib) for lib in torch.ops.loaded_libraries),

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-#: Texts per tokenizer call while counting tokens (a fast tokenizer spreads a call over its threads).
-COUNT_CHUNK = 1024
+from bert_cluster.checkpoints import count_tokens
+
+__all__ = ["Shard", "batches_within", "count_tokens", "ids_sha256", "make_plan", "shard_name", "shard_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,19 +52,6 @@ def ids_sha256(ids: Iterable[str]) -> str:
 def shard_names(documents: int, shard_size: int) -> list[str]:
     """The file names of the shards of ``documents`` documents, in order."""
     return [shard_name(index) for index in range(-(-documents // shard_size))]
-
-
-def count_tokens(tokenizer: Any, texts: Sequence[str], lowercase: bool = False) -> list[int]:
-    """Each text's token count with special tokens and without truncation (truncation is reported)."""
-    counts: list[int] = []
-    for start in range(0, len(texts), COUNT_CHUNK):
-        chunk = list(texts[start : start + COUNT_CHUNK])
-        if lowercase:
-            chunk = [text.lower() for text in chunk]
-        # verbose=False: no "longer than the maximum" warning for the documents that will be truncated.
-        encoded = tokenizer(chunk, add_special_tokens=True, truncation=False, verbose=False)
-        counts.extend(len(ids) for ids in encoded["input_ids"])
-    return counts
 
 
 def batches_within(lengths: Sequence[int], positions: Sequence[int], budget: int) -> list[tuple[int, ...]]:

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from bert_cluster import config as presets
+from bert_cluster.checkpoints import ENCODER_DTYPES, encode_batch, open_sentence_encoder
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.embedding import store
 from bert_cluster.embedding.documents import Document, Input, InputChanged, Problem, Scan, open_documents
 from bert_cluster.embedding.plan import Shard, batches_within, count_tokens, shard_names
 from bert_cluster.errors import UserError, positive_int
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ENCODER_DTYPES
 #: Padded tokens per model pass (rows x longest row): 32 documents of 512 tokens.
 DEFAULT_TOKENS_PER_BATCH = 16384
 #: Documents per output shard (and per unit of resume).
@@ -74,14 +75,6 @@ def _attention_config(
     return attention_config(attention, {}, preset=presets.CONVERT_SETTINGS)
 
 
-@dataclasses.dataclass
-class _Encoder:
-    model: Any
-    path: str
-    modules: dict[str, Any]
-    positions: int | None
-
-
 def _model_files(path: str) -> dict[str, list[int]]:
     """Size and modification time of each file of a local model folder (a resume checks them)."""
     folder = Path(path)
@@ -92,32 +85,6 @@ def _model_files(path: str) -> dict[str, list[int]]:
         for file in sorted(folder.rglob("*"))
         if file.is_file() and ".cache" not in file.parts
     }
-
-
-def _load(model: str | Path, device: str, dtype: str) -> _Encoder:
-    """The SentenceTransformer of ``model`` on ``device`` in ``dtype``, and what its modules do."""
-    import torch
-
-    from bert_cluster.checkpoints import load_sentence_encoder, max_positions
-
-    encoder, path = load_sentence_encoder(model, device)
-    if dtype == "bfloat16":
-        encoder.to(torch.bfloat16)
-    names = [type(module).__name__ for module in encoder]
-    pooling = next((module for module in encoder if type(module).__name__ == "Pooling"), None)
-    plain = not (Path(path) / "modules.json").is_file()
-    modules = {
-        "modules": names,
-        "pooling": getattr(pooling, "pooling_mode", None),
-        "normalize": "Normalize" in names,
-        "dense": "Dense" in names,
-        "sentence_transformers_folder": not plain,
-    }
-    if plain:
-        modules["note"] = (
-            "a plain transformers folder (no modules.json): sentence-transformers added mean pooling"
-        )
-    return _Encoder(encoder, path, modules, max_positions(encoder[0].auto_model.config))
 
 
 def _check(
@@ -163,11 +130,7 @@ def _encode_shard(
 
     rows: dict[int, Any] = {}
     for batch in shard.batches:
-        texts = [documents[position].text for position in batch]
-        vectors = encoder.encode(
-            texts, batch_size=len(texts), convert_to_tensor=True, show_progress_bar=False
-        )
-        vectors = vectors.float().cpu().numpy()
+        vectors = encode_batch(encoder, [documents[position].text for position in batch])
         rows.update(zip(batch, vectors, strict=True))
         advance(len(batch), sum(lengths[position] for position in batch))
     return np.stack([rows[position] for position in shard.documents])
@@ -244,16 +207,8 @@ def embed(
         source = open_documents(input, text_field, id_field, json_field, split)
         # To the end, keeping no document: the counts, the hashes (the whole and each shard's), any refusal.
         scan = source.scan(shard_size)
-        encoder = _load(model, workers.device(device), dtype)
-        if max_length is None:
-            max_length = encoder.positions or encoder.model.max_seq_length
-        elif encoder.positions is not None and max_length > encoder.positions:
-            raise UserError(f"max_length {max_length} is more than the model's {encoder.positions} positions")
-        encoder.model.max_seq_length = max_length
-        if config is not None:
-            from bert_cluster import hf
-
-            hf.convert(encoder.model, config=config)
+        encoder = open_sentence_encoder(model, workers.device(device), dtype, max_length, config)
+        max_length = encoder.max_length
         plan = shard_names(scan.documents, shard_size)
 
         import torch
