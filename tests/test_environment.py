@@ -219,6 +219,7 @@ def test_the_package_has_no_import_circle():
     assert circles(graph) == []
 
 
+@pytest.mark.slow(reason="one forked interpreter per module (about 90) importing it alone")
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module imports on its own, first (a circle entered there shows up as an ImportError).
 

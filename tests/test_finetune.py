@@ -156,6 +156,7 @@ print(json.dumps({"resumed_from": result.resumed_from, "steps": steps, "loss_cur
 """
 
 
+@pytest.mark.slow(reason="two fine-tuning runs in subprocesses, one killed with -9 and resumed")
 def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit(setup, tmp_path):
     """Every run a fresh process, as a user's would be: the test process's state (its thread count,
     what earlier tests loaded) cannot make one side compute differently."""

@@ -497,7 +497,7 @@ def _train_file(kind: str, data: Path, folder: Path) -> Path | None:
     return copied
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="40 drawn finetune commands, each a run of up to two steps")
 @FUZZ
 # CI drew this one once: --overwrite into a folder of the user's
 @example(options={}, flags=["--lora", "--overwrite"], data_kind="good", output_kind="user folder")

@@ -90,7 +90,7 @@ README_SCORES = {
 
 
 @pytest.mark.data
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real checkpoint on its whole GLUE dev set, unmodified and clustered")
 @pytest.mark.parametrize("name", sorted(README_SCORES))
 def test_real_checkpoints_reproduce_the_readme_scores(shared_dir, built_models, name):
     spec = get_tasks(name)[0]

@@ -545,6 +545,9 @@ def minilm_16k(shared_dir, tmp_path_factory) -> Path:
     ("max_length", "recall_at_1"),
     [pytest.param(512, 70.0, id="512"), pytest.param(2048, 72.9, id="2048", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow(
+    reason="the 16k proxy: 500 questions over 8 articles at up to 2,048 tokens, against its reference"
+)
 def test_minilm_16k_reproduces_the_reference_recall(minilm_16k, max_length, recall_at_1):
     """Every 10th question (1,057), exact SDPA attention, documents one at a time (shared/models/README.md).
 

@@ -134,7 +134,7 @@ def test_tiny_qa_model_runs_through_the_kind(tiny_qa, tmp_path):
 # ../shared/models/README.md: EM 49.34, F1 62.57 on the 4,874 held-out questions. The full set takes
 # minutes on 2 CPU cores; the first 300 questions were measured with this runner at EM 59.33, F1 69.42.
 @pytest.mark.data
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real SQuAD checkpoint on 300 dev windows of 384 tokens, unmodified and clustered")
 def test_real_squad_checkpoint_subset(shared_dir, built_models):
     task = get_tasks("squad")[0]
     examples = SQUAD.load_examples(task, shared_dir / "models" / "minilm-l6-squad" / "eval", 300)
