@@ -67,7 +67,7 @@ def main() -> None:
     import torch
 
     from bert_cluster.evaluation.runner import TaskSession
-    from bert_cluster.evaluation.tasks import get_tasks
+    from bert_cluster.tasks.config import get_tasks
 
     (task,) = get_tasks(args.task)
     session = TaskSession(task, args.model, data_dirs=args.data_dir, limit=args.limit)

@@ -163,7 +163,7 @@ def make_pipeline(parts: dict[str, int], max_topk: int) -> Callable:
 def score_candidates(args) -> tuple[dict, list[dict]]:
     """SQuAD scores: unmodified once, then each candidate at each C."""
     from bert_cluster.evaluation.runner import TaskSession
-    from bert_cluster.evaluation.tasks import get_tasks
+    from bert_cluster.tasks.config import get_tasks
 
     (task,) = get_tasks("squad")
     session = TaskSession(

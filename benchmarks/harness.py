@@ -255,7 +255,7 @@ def squad_dev() -> dict[str, Any]:
 
 def squad_articles() -> list[str]:
     """The 48 SQuAD v1.1 dev articles as the long-document task builds them (packaged paragraphs joined)."""
-    from bert_cluster.evaluation.kinds.long_retrieval import articles_from_paragraphs
+    from bert_cluster.tasks.kinds.long_retrieval import articles_from_paragraphs
 
     document = squad_dev()
     return articles_from_paragraphs(document["paragraphs"], document["questions"]).documents

@@ -99,7 +99,7 @@ def build_model(name: str, cache: str | None, folder: str | None = None):
     if name == "minilm-l6-16k":
         if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
             from bert_cluster.checkpoints import default_model_path
-            from bert_cluster.evaluation.proxy import long_position_proxy
+            from bert_cluster.tasks.proxy import long_position_proxy
 
             folder = str(long_position_proxy(default_model_path(), 16384, cache=cache))
         model = transformers.AutoModel.from_pretrained(folder, attn_implementation="sdpa")

@@ -1,11 +1,11 @@
-"""What clustered attention costs the long-document retrieval of ``scripts.long_document_training`` before
+"""What clustered attention costs the long-document retrieval of ``benchmarks.long_document_training`` before
 any training, per convert setting: held-out R@1 of the untrained MiniLM-16k proxy, on the training split
 too.
 
 The question the training runs left open (issue 40, item 3): the clustered run starts 0.2-0.3 R@1 below the
 exact one; is that a cost a larger C or k removes, or scatter of the size the training differences have?
 Each setting converts the proxy, embeds the 24 training and the 24 held-out articles at ``--length``
-tokens, and scores each split's questions against its articles (R@1 x 100, the training script's split and
+tokens, and scores each split's questions against its articles (R@1 x 100, the training task's split and
 cut). Questions are embedded once, unmodified: convert's ``min_length="auto"`` keeps rows that short exact
 (checked on the first 64 questions of each setting). Also the mean cosine of the article embeddings to
 exact, the questions each setting gains and loses against exact (a net change of a few questions can be
@@ -55,32 +55,33 @@ def parse_setting(text: str) -> dict[str, Any]:
     return setting
 
 
-def recipe() -> Any:
-    """The long-document training recipe (its split, model and training articles): the script
-    ``scripts.long_document_training`` until issue 70, item 1 makes it the retrieval task kind's."""
-    from scripts import long_document_training
-
-    return long_document_training
+#: The task that holds the long-document training recipe (its train and held-out splits).
+TASK = "squad-articles-train"
 
 
 def splits(length: int) -> dict[str, dict[str, Any]]:
-    """Each split's questions, its 24 articles and the index of each question's article."""
-    articles = recipe().load_articles()
-    pairs, held_out = recipe().split(articles, 1, length)
-    documents = list(dict.fromkeys(document for _, document in pairs))
-    corpus = list(held_out["corpus"])
+    """Each split's questions, its 24 articles (cut at ``length`` tokens as training cuts them) and the index
+    of each question's article, as the retrieval kind reads the task."""
+    from bert_cluster.tasks import get_tasks
+    from bert_cluster.tasks.kinds.long_retrieval import split_articles
+
+    (task,) = get_tasks(TASK)
     return {
-        "training": {
-            "questions": [question for question, _ in pairs],
-            "articles": documents,
-            "gold": [documents.index(document) for _, document in pairs],
-        },
-        "held_out": {
-            "questions": list(held_out["queries"].values()),
-            "articles": [held_out["corpus"][c] for c in corpus],
-            "gold": [corpus.index(next(iter(r))) for r in held_out["relevant"].values()],
-        },
+        name: {"questions": articles.questions, "articles": articles.documents, "gold": articles.gold}
+        for name, articles in (
+            ("training", split_articles(task, "train", length)),
+            ("held_out", split_articles(task, "dev", length)),
+        )
     }
+
+
+def build_model(folder: str) -> Any:
+    """The proxy as the recipe trains it: the retrieval kind's training model, attention dropout 0."""
+    from bert_cluster.tasks import get_tasks
+    from bert_cluster.tasks.kinds.long_retrieval import LONG_RETRIEVAL
+
+    (task,) = get_tasks(TASK)
+    return LONG_RETRIEVAL.training_model(folder, task, {"attention_probs_dropout_prob": 0.0}).model
 
 
 def measure(model, data: dict[str, dict[str, Any]], questions: dict, reference: dict | None) -> dict:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     data = splits(args.length)
-    model = recipe().build_model(args.minilm_16k, None, 0.0)
+    model = build_model(args.minilm_16k)
     model.max_seq_length = args.length
     model.eval()
     with torch.inference_mode():
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "length": args.length,
             "threads": args.threads,
-            "train_articles": recipe().TRAIN_ARTICLES,
+            "train_articles": len(data["training"]["articles"]),
         },
         "data": {name: {"questions": len(part["questions"])} for name, part in data.items()},
         "rows": rows,
@@ -233,7 +234,7 @@ MEAN_NOTE = " Cells: the mean of the seeds (each seed's). Steps: each seed's."
 
 
 def long_document_training_table(results: list[dict]) -> list[str]:
-    """scripts.long_document_training: held-out R@1 and MRR@10 of exact and clustered training at each
+    """benchmarks.long_document_training: held-out R@1 and MRR@10 of exact and clustered training at each
     budget of training time (one run per seed: the mean, then each seed's), and the paper's two verdicts
     (bold where met)."""
     by_budget: dict[str, dict[float, list[dict]]] = {"exact": {}, "clustered": {}}
@@ -336,7 +337,7 @@ def long_document_training_table(results: list[dict]) -> list[str]:
 
 
 def long_document_rescored_table(results: list[dict]) -> list[str]:
-    """A both-variant run of scripts.long_document_training, then the same command's clustered run again
+    """A both-variant run of benchmarks.long_document_training, then the same command's clustered run again
     with ``--score-exact-too``: its copies scored with their own attention and with exact attention, the
     difference being what the approximation costs at scoring, against the first run's exact copies."""
     first, rerun = results
@@ -432,7 +433,7 @@ def long_document_fidelity_table(results: list[dict]) -> list[str]:
     return table_lines(header, "lr" + "r" * (len(header) - 2), rows) + ["", caption]
 
 
-#: What a question is scored against in scripts.long_document_training's loss (--negatives).
+#: What a question is scored against in benchmarks.long_document_training's loss (--negatives).
 RECIPE_NEGATIVES = {
     "in-batch": "in-batch negatives",
     "bank": "in-batch negatives and the other training articles' last embeddings",
@@ -440,7 +441,7 @@ RECIPE_NEGATIVES = {
 
 
 def long_document_recipes_table(results: list[dict]) -> list[str]:
-    """scripts.long_document_training's short exact runs, one per training recipe: does the held-out R@1
+    """benchmarks.long_document_training's short exact runs, one per training recipe: does the held-out R@1
     move at all with training? (The claim can only show where training improves the model.)"""
     rows = []
     budgets: list[float] = []
@@ -483,12 +484,12 @@ def long_document_recipes_table(results: list[dict]) -> list[str]:
     return table_lines(header, "lrrr" + "r" * (len(budgets) + 1) + "rr", rows) + ["", caption]
 
 
-#: The training articles of scripts.long_document_training (SQuAD v1.1 dev articles 1-24).
+#: The training articles of benchmarks.long_document_training (SQuAD v1.1 dev articles 1-24).
 TRAIN_ARTICLES_24 = 24
 
 
 def long_document_claim_table(results: list[dict], cpus: Sequence[str]) -> list[str]:
-    """Every run of scripts.long_document_training in one table, each labelled with its CPU kind from
+    """Every run of benchmarks.long_document_training in one table, each labelled with its CPU kind from
     ``cpus``: at each budget the clustered run's held-out R@1 minus the exact run's, the steps, and the
     run's two verdicts; then all runs together. The verdict on the paper's training claim is stated, not
     inferred: not decided."""

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 import bert_cluster
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.tasks import get_tasks
 from bert_cluster.reports import atomic_write, environment
+from bert_cluster.tasks.config import get_tasks
+from bert_cluster.tasks.data import load_rows
 
 
 def log_probabilities(model, tokenizer, rows, fields, max_length: int, batch: int = 16) -> torch.Tensor:

@@ -241,7 +241,7 @@ def build_training_model(job: dict[str, Any]):
     folder = job.get("folder")
     if folder is None:  # bert-cluster's own copy of ../shared/models' minilm-l6-16k (weight for weight)
         from bert_cluster.checkpoints import default_model_path
-        from bert_cluster.evaluation.proxy import long_position_proxy
+        from bert_cluster.tasks.proxy import long_position_proxy
 
         folder = str(long_position_proxy(default_model_path(), 16384, cache=job.get("cache")))
     _, inputs = build_model(MODEL, job.get("cache"), folder)

@@ -34,8 +34,13 @@ def check_model_path(model: str | Path) -> str:
         raise UserError("the model path is empty")
     path = Path(text).expanduser()
     if path.exists():
+        if path.is_file() and path.suffix == ".json":  # a model config: random weights (pretraining)
+            return str(path)
         if not path.is_dir():
-            raise UserError(f"model path {path} is not a folder (expected a transformers checkpoint folder)")
+            raise UserError(
+                f"model path {path} is not a folder (expected a transformers checkpoint folder, or a model "
+                "config .json to train from random weights)"
+            )
         if not (path / "config.json").is_file():
             raise UserError(f"model folder {path} has no config.json: not a transformers checkpoint")
         return str(path)
@@ -109,6 +114,93 @@ def max_positions(config: Any) -> int | None:
     return positions
 
 
+@dataclasses.dataclass
+class HeadCheckpoint:
+    """A checkpoint loaded with the head a task needs, and what of it the checkpoint did not hold."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    source: str
+    has_head: bool  # False: the head is fresh (training gives it ``new_head``'s settings)
+    fresh: list[str]  # the weights the checkpoint did not hold
+
+
+def load_head_checkpoint(
+    model: str | Path,
+    auto_class: Any,
+    head_prefixes: Sequence[str],
+    new_head: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> HeadCheckpoint:
+    """The one loader of a checkpoint with a task head, for scoring (``load_with_head``) and training.
+
+    ``new_head``: the config settings of a head the checkpoint lacks (its config names no architecture of
+    ``auto_class``'s kind), e.g. the labels of a classifier made fresh for training; ``overrides``: config
+    settings it is loaded with whatever it holds (an attention dropout for training).
+
+    Raises:
+        UserError: the path is unreadable, or the tokenizer is not a fast one (offsets and windows).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = check_model_path(model)
+    suffix = auto_class.__name__.removeprefix("AutoModel")
+    try:
+        with quiet():
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            named = AutoConfig.from_pretrained(source).architectures or []
+            extra = dict(new_head or {}) if not any(name.endswith(suffix) for name in named) else {}
+            extra.update(overrides or {})
+            loaded, info = auto_class.from_pretrained(source, output_loading_info=True, **extra)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"model {source}: a fast tokenizer (tokenizer.json) is needed for offsets and windows"
+        )
+    fresh = list(info.get("missing_keys", []))
+    has_head = not any(key.startswith(tuple(head_prefixes)) for key in fresh)
+    return HeadCheckpoint(loaded, tokenizer, source, has_head, fresh)
+
+
+def is_model_config(model: str | Path) -> bool:
+    """Whether ``model`` names a model config file (``configs/models/*.json``): random weights."""
+    path = Path(str(model)).expanduser()
+    return path.suffix == ".json" and path.is_file()
+
+
+def load_model_config(path: str | Path, auto_class: Any) -> HeadCheckpoint:
+    """A model with random weights from a config file, and its tokenizer made without files.
+
+    The file is a transformers ``config.json`` (its ``model_type`` picks the family) naming its
+    ``tokenizer_class``, one that needs no vocabulary file (transformers' ``ByT5Tokenizer``: bytes). The
+    weights are drawn from torch's generator: seed it first for the same weights every run.
+
+    Raises:
+        UserError: the file is not a model config, or its tokenizer needs files.
+    """
+    import json
+
+    import transformers
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        config = transformers.AutoConfig.for_model(**raw)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"{path} is not a transformers model config: {one_line(error)}") from None
+    name = getattr(config, "tokenizer_class", None)
+    tokenizer_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    try:
+        tokenizer = tokenizer_class()  # type: ignore[misc]
+    except (TypeError, ValueError, OSError) as error:
+        raise UserError(
+            f"{path}: tokenizer_class {name!r} cannot be made without files ({one_line(error)}); name one "
+            "that needs none (ByT5Tokenizer), or train from a checkpoint folder"
+        ) from None
+    model = auto_class.from_config(config)
+    return HeadCheckpoint(model, tokenizer, str(path), False, [])
+
+
 def load_with_head(
     model: str | Path,
     auto_class: Any,
@@ -117,36 +209,25 @@ def load_with_head(
     task_name: str,
     device: str,
 ) -> tuple[torch.nn.Module, Any]:
-    """Load model and tokenizer; refuse a checkpoint whose task head would be freshly initialised.
+    """Model and tokenizer to score with; refuse a checkpoint whose task head would be freshly initialised.
 
     Raises:
         UserError: the path is unreadable, or the checkpoint has no trained ``head_name`` head.
     """
-    from transformers import AutoTokenizer
-
-    source = check_model_path(model)
-    try:
-        with quiet():
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            loaded, info = auto_class.from_pretrained(source, output_loading_info=True)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
-    missing = [key for key in info.get("missing_keys", []) if key.startswith(tuple(head_prefixes))]
-    if missing:
+    checkpoint = load_head_checkpoint(model, auto_class, head_prefixes)
+    loaded = checkpoint.model
+    if not checkpoint.has_head:
+        missing = [key for key in checkpoint.fresh if key.startswith(tuple(head_prefixes))]
         architectures = ", ".join(getattr(loaded.config, "architectures", None) or ["unknown"])
         raise UserError(
-            f"model {source} ({architectures}) has no trained {head_name} head, which task {task_name} needs "
-            f"(missing {', '.join(sorted(missing))})"
-        )
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError(
-            f"model {source}: a fast tokenizer (tokenizer.json) is needed for offsets and windows"
+            f"model {checkpoint.source} ({architectures}) has no trained {head_name} head, which task "
+            f"{task_name} needs (missing {', '.join(sorted(missing))})"
         )
     try:
         loaded = loaded.to(device).eval()
     except (RuntimeError, AssertionError) as error:
         raise UserError(f"cannot move the model to device {device!r}: {one_line(error)}") from None
-    return loaded, tokenizer
+    return loaded, checkpoint.tokenizer
 
 
 def load_encoder(model: str | Path) -> tuple[torch.nn.Module, Any]:
@@ -169,10 +250,13 @@ def load_encoder(model: str | Path) -> tuple[torch.nn.Module, Any]:
     return loaded.eval(), tokenizer
 
 
-def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
+def load_sentence_encoder(
+    model: str | Path, device: str, overrides: Mapping[str, Any] | None = None
+) -> tuple[Any, str]:
     """A ``SentenceTransformer`` in eval mode and its resolved path (for the embedding kinds and embed).
 
-    A plain transformers folder gets mean pooling from sentence-transformers itself.
+    A plain transformers folder gets mean pooling from sentence-transformers itself; ``overrides``: model
+    config settings to load it with (an attention dropout for training).
 
     Raises:
         UserError: the path does not exist or the model cannot be loaded.
@@ -182,7 +266,7 @@ def load_sentence_encoder(model: str | Path, device: str) -> tuple[Any, str]:
     path = check_model_path(resolve_model(str(model)))
     try:
         with quiet():
-            encoder = SentenceTransformer(path, device=device)
+            encoder = SentenceTransformer(path, device=device, config_kwargs=dict(overrides or {}))
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise UserError(f"cannot load model {model!r} ({path}): {one_line(error)}") from None
     return encoder.eval(), path

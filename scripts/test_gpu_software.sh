@@ -19,7 +19,10 @@ done
 # The oldest transformers claimed: the floor of pyproject's "transformers>=X,..." dependency.
 FLOOR="$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml | head -1)"
 [[ -n "$FLOOR" ]] || { echo "test_gpu_software: no transformers>=X in pyproject.toml" >&2; exit 1; }
-want="torch $TORCH_VERSION, transformers $FLOOR"
+# The kernels' build requirements at least at pyproject's minimums: a new venv keeps the setuptools its
+# Python ships (65.5 with Python 3.11, the fallback), which refuses pyproject's licence string.
+requires="$(bash scripts/build_requirements.sh | tr '\n' ' ')"
+want="torch $TORCH_VERSION, transformers $FLOOR, ${requires}pytest-xdist"
 if [[ "$(cat "$VENV/.tested-with" 2>/dev/null)" != "$want" ]]; then
   echo "test_gpu_software: making $VENV ($PYTHON; $want)"
   rm -rf "$VENV"
@@ -29,8 +32,10 @@ if [[ "$(cat "$VENV/.tested-with" 2>/dev/null)" != "$want" ]]; then
 import tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print("\n".join(d for d in deps if not d.startswith(("torch", "transformers"))))')
-  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "transformers==$FLOOR" "${DEPS[@]}" \
-    "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" ninja setuptools wheel
+  # No bytecode compiled at install (the suite's imports compile what they use).
+  bash scripts/build_requirements.sh | xargs -d '\n' "$VENV/bin/pip" install -q --no-compile \
+    "torch==$TORCH_VERSION" "transformers==$FLOOR" "${DEPS[@]}" "pytest>=8" "pytest-timeout>=2.3" \
+    "pytest-xdist>=3.5" "hypothesis>=6.100"
   echo "$want" >"$VENV/.tested-with"
 fi
 "$VENV/bin/python" -c 'import sys, torch, transformers; print("test_gpu_software: python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__)'
@@ -44,7 +49,7 @@ BERT_CLUSTER_ONLY_THIS_CPU=1 MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.
   exit 1
 }
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not data" \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15 -m "not data" \
   tests/ops tests/test_reference.py tests/test_properties.py tests/test_dispatch.py tests/test_hf.py \
   tests/test_cuda_jit.py tests/test_lean_import.py tests/test_gpu_check.py "$@"
 status=$?

@@ -33,11 +33,60 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("BERT_CLUSTER_SHARED", REPO.parent / "shared"))
 
 
+#: A test that takes longer than this (setup, call and teardown together, on 2 cores) says why beside it:
+#: ``@pytest.mark.slow(reason=...)``. The run's summary lists each such test with its reason (CI shows it).
+SLOW_SECONDS = 20.0
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     for item in items:
         if "cuda" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        slow = item.get_closest_marker("slow")
+        if slow is not None and slow.kwargs.get("reason"):
+            # Carried by every report of the test, across pytest-xdist's workers too.
+            item.user_properties.append(("slow_reason", slow.kwargs["reason"]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # On pytest-xdist's workers (scripts/test.sh runs two), the files that hold a slow test first: the
+        # longest tests start early and short ones fill in at the end. Each file's tests stay together and
+        # in order (a module's fixtures are made once per worker); the sort is stable.
+        slow_files = {_file(item) for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: _file(item) not in slow_files)
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_configure(config):
+    # pytest-xdist's workers share the cores: each gets its share of torch's threads (a test that needs
+    # more threads sets them itself).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test over SLOW_SECONDS, slowest first, with the reason its ``slow`` marker gives."""
+    seconds: dict[str, float] = {}
+    reasons: dict[str, str] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+                reasons.update(
+                    (report.nodeid, value) for key, value in report.user_properties if key == "slow_reason"
+                )
+    over = sorted(((took, nodeid) for nodeid, took in seconds.items() if took > SLOW_SECONDS), reverse=True)
+    if not over:
+        return
+    terminalreporter.section(f"tests over {SLOW_SECONDS:.0f} s (setup + call + teardown) and why")
+    for took, nodeid in over:
+        why = reasons.get(
+            nodeid, "NO REASON GIVEN: say why with @pytest.mark.slow(reason=...), or make it cheaper"
+        )
+        terminalreporter.write_line(f"{took:7.1f} s  {nodeid}: {why}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -17,6 +17,7 @@ from families import tiny_config, tiny_model
 __all__ = [
     "RTE_ROWS",
     "kernel_backends",
+    "kill_when_written",
     "require_kernels",
     "save_model",
     "save_sentence_transformer",
@@ -171,10 +172,14 @@ def require_kernels(backend: str) -> None:
         pytest.skip(f"{backend} kernels unavailable: {why}")
 
 
-def load_script(name: str):
-    """A Python module left in scripts/ (``long_document_training``, until issue 70 item 1 makes it the
-    retrieval task kind's training), imported from the repository root like ``python -m scripts.NAME``;
-    the benchmarks are the package ``benchmarks``, imported as such."""
-    import importlib
+def kill_when_written(process, path: Path, timeout: float = 300.0) -> None:
+    """``kill -9`` ``process`` once ``path`` exists (a checkpoint written); fail with its stderr if never."""
+    import signal
+    import time
 
-    return importlib.import_module(f"scripts.{name}")
+    deadline = time.monotonic() + timeout
+    while not path.is_file() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    _, error = process.communicate(timeout=30)
+    assert path.is_file(), error.decode()[-2000:]

@@ -15,10 +15,10 @@ from torch.nn import functional
 
 import bert_cluster
 from bert_cluster.cli import app
-from bert_cluster.evaluation.tasks import get_tasks
 from bert_cluster.finetuning import _teacher, finetune
 from bert_cluster.finetuning.distillation import distillation_loss
 from bert_cluster.hf import ATTENTION_NAME
+from bert_cluster.tasks.config import get_tasks
 
 
 def logits(**values):
@@ -137,6 +137,7 @@ def distance_to_checkpoint(folder: Path, checkpoint: Path, data: Path) -> float:
     return float((t.exp() * (t - s)).sum(-1).mean())
 
 
+@pytest.mark.slow(reason="fine-tunes a real MiniLM with distillation until it matches its checkpoint")
 def test_distilling_brings_the_clustered_model_to_the_checkpoint_s_outputs_and_ignores_the_labels(
     setup, tmp_path
 ):
@@ -165,6 +166,7 @@ def test_the_teacher_is_the_checkpoint_with_its_original_attention(setup, tmp_pa
     assert not hasattr(teacher.config, "clustered_attention")
 
 
+@pytest.mark.slow(reason="fine-tuning runs in subprocesses, stopped and resumed")
 def test_resume_refuses_another_distill_and_takes_a_run_from_before_the_option(setup, tmp_path):
     model, data, _ = setup
     out = tmp_path / "out"

@@ -82,6 +82,7 @@ def test_dropout_changes_the_output_and_the_seed_fixes_it(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow(reason="thousands of dropout draws, so that the mean's error is below the test's bound")
 def test_dropout_is_unbiased(mode):
     """The mean over many masks tends to the output without dropout (each weight enters linearly)."""
     q, k, v, valid = _inputs(heads=1, n=24)
@@ -97,6 +98,7 @@ def test_dropout_is_unbiased(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow(reason="gradcheck in float64 through a whole call with dropout")
 def test_gradient_through_dropout_passes_gradcheck(mode):
     """The steps with dropout in float64 (the reference's precision for float64; no backend takes it)."""
     q, k, v, valid = _inputs(rows=2, heads=1, n=12, dim=3, dtype=torch.float64)
@@ -246,6 +248,7 @@ def test_gradient_checkpointing_with_dropout_gives_the_same_gradients():
         assert torch.equal(checkpointed[name], grad), name
 
 
+@pytest.mark.slow(reason="torch.compile of a training step (inductor compiles C++ on first use)")
 def test_a_compiled_step_with_dropout_gives_the_eager_gradients():
     config = _config("i-clustered+")
     q, k, v, valid = _inputs(n=50)
@@ -489,6 +492,7 @@ def test_dropout_zero_gives_the_plain_ops():
     assert not torch.equal(dropped, kernels.topk_refine(q, k, v, plus, vc, indices, mass, topv, scaling))
 
 
+@pytest.mark.slow(reason="gradcheck in float64 of every dropout op: one forward per input element")
 def test_dropout_ops_pass_gradcheck_in_float64_on_the_reference():
     """No kernel takes float64: gradcheck runs on the reference functions the kernels are checked against."""
     case = Case(12, 3, 4, 4, 4, "fp32", True, window=2)

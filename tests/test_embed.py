@@ -541,7 +541,7 @@ def _arguments(model: Path, corpus: Path, output: Path) -> list[str]:
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real MiniLM embedding a corpus twice, one run killed and resumed")
 def test_killed_run_continues_and_equals_an_uninterrupted_one(minilm_dir, corpus, tmp_path):
     whole = _cli([sys.executable, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -562,7 +562,7 @@ def test_killed_run_continues_and_equals_an_uninterrupted_one(minilm_dir, corpus
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))  # bit for bit
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real MiniLM embedding a corpus in one process and in two")
 def test_two_processes_write_what_one_does(minilm_dir, corpus, tmp_path):
     one = _cli([sys.executable, "-m", "bert_cluster"], _arguments(minilm_dir, corpus, tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]

@@ -138,7 +138,7 @@ def import_graph(package: Path) -> dict[str, set[str]]:
 
     Importing ``a.b.c`` imports ``a`` and ``a.b`` first, so those count too, except a module's own
     packages: they are importing already when it runs (a registry package such as
-    ``evaluation.kinds`` imports its plug-ins at its end, after the names they take from it; every
+    ``tasks.kinds`` imports its plug-ins at its end, after the names they take from it; every
     module takes ``__version__`` and friends from the top package).
     """
     paths = sorted(package.rglob("*.py"))
@@ -219,6 +219,7 @@ def test_the_package_has_no_import_circle():
     assert circles(graph) == []
 
 
+@pytest.mark.slow(reason="one forked interpreter per module (about 90) importing it alone")
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module imports on its own, first (a circle entered there shows up as an ImportError).
 

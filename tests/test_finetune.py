@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import helpers
@@ -158,6 +156,7 @@ print(json.dumps({"resumed_from": result.resumed_from, "steps": steps, "loss_cur
 """
 
 
+@pytest.mark.slow(reason="two fine-tuning runs in subprocesses, one killed with -9 and resumed")
 def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit(setup, tmp_path):
     """Every run a fresh process, as a user's would be: the test process's state (its thread count,
     what earlier tests loaded) cannot make one side compute differently."""
@@ -178,13 +177,7 @@ def test_resume_after_kill_9_ends_at_the_uninterrupted_run_s_weights_bit_for_bit
 
     killed = tmp_path / "killed"
     process = start(killed, "slow")
-    landed = killed / "checkpoints" / "checkpoint-4" / "trainer_state.json"
-    deadline = time.monotonic() + 120
-    while not landed.is_file() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    process.send_signal(signal.SIGKILL)
-    _, error = process.communicate(timeout=30)
-    assert landed.is_file(), error.decode()[-2000:]
+    helpers.kill_when_written(process, killed / "checkpoints" / "checkpoint-4" / "trainer_state.json", 120)
     assert not (killed / "finetune.json").exists()  # killed mid-run, not after it
     clocks = {  # each complete checkpoint's training time (the resumed run rotates them away)
         state.parent.name: json.loads(state.read_text())["stateful_callbacks"]["TrainingClock"]["attributes"]

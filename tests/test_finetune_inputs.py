@@ -418,16 +418,16 @@ def test_a_null_text_in_a_parquet_train_file_is_named_not_trained_as_none(setup,
 def test_every_row_is_checked_before_training_naming_where_it_is(task, row, message):
     """No train file format read today carries a lone surrogate (pyarrow replaces one), but a row given
     otherwise could: the tokenizer then failed with a TypeError naming no row."""
-    from bert_cluster.evaluation.tasks import get_tasks
-    from bert_cluster.finetuning import features
+    from bert_cluster.tasks.config import get_tasks
+    from bert_cluster.tasks.kinds import check_rows
 
     (config,) = get_tasks(task)
     good = {"sentence1": "a", "sentence2": "b", "label": 0}
     if task == "squad":
         good = {"question": "q", "context": "c", "answers": {"text": [], "answer_start": []}}
-    features.check_rows([good, good], config, lambda index, _: f"data line {index + 2}")
+    check_rows([good, good], config, lambda index, _: f"data line {index + 2}")
     with pytest.raises(UserError) as raised:
-        features.check_rows([good, row], config, lambda index, _: f"data line {index + 2}")
+        check_rows([good, row], config, lambda index, _: f"data line {index + 2}")
     assert str(raised.value) == f"data line 3: {message}"
 
 
@@ -497,7 +497,7 @@ def _train_file(kind: str, data: Path, folder: Path) -> Path | None:
     return copied
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="40 drawn finetune commands, each a run of up to two steps")
 @FUZZ
 # CI drew this one once: --overwrite into a folder of the user's
 @example(options={}, flags=["--lora", "--overwrite"], data_kind="good", output_kind="user folder")

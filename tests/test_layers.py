@@ -1,10 +1,10 @@
 """The package's layers, read from its imports (top-level and inside functions) with ``ast``.
 
 docs/development.md draws the same picture. A module may import its own layer and the layers below it;
-a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``, ``serve``) imports no other
-feature, save that ``finetuning``, which trains on evaluation's tasks, may import evaluation's task
-definitions and data loading (``SHARED``); no module imports a private name (``_x``) of another unit;
-only the shell imports the package's facade (``bert_cluster``).
+``tasks`` (the task configs, their data and kinds) is the base both ``evaluation`` and ``finetuning``
+drive; a feature (``evaluation``, ``embedding``, ``inspection``, ``finetuning``, ``serve``) imports no
+other feature; no module imports a private name (``_x``) of another unit; only the shell imports the
+package's facade (``bert_cluster``). Task YAML is read in ``tasks`` alone.
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_build",
     ),
     "base": ("errors", "checkpoints", "parallel", "reports", "datafiles"),
+    "tasks": ("tasks",),
     "features": ("evaluation", "embedding", "inspection", "finetuning", "serve"),
     "shell": ("render", "cli", "__main__"),
 }
-#: Another feature's modules a feature may import (public names only): finetuning, the tasks and rows.
-SHARED = {"finetuning": ("bert_cluster.evaluation.tasks", "bert_cluster.evaluation.data")}
 #: The public API module (``bert_cluster/__init__.py``): it sits on the core and reaches the features
 #: lazily; below the shell nothing imports it.
 FACADE = "bert_cluster"
@@ -56,7 +55,7 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def unit_of(module: str) -> str:
-    """``bert_cluster.evaluation.kinds.squad`` -> ``evaluation``; the package itself -> the facade."""
+    """``bert_cluster.tasks.kinds.squad`` -> ``tasks``; the package itself -> the facade."""
     parts = module.split(".")
     return FACADE if len(parts) == 1 else parts[1]
 
@@ -113,7 +112,7 @@ def violations(files: dict[str, str], packages: set[str]) -> list[str]:
                 continue
             if RANK[other] > RANK[unit]:
                 problems.append(f"{where}: {LAYER_OF[unit]} imports {LAYER_OF[other]} (a layer above)")
-            elif LAYER_OF[unit] == LAYER_OF[other] == "features" and target not in SHARED.get(unit, ()):
+            elif LAYER_OF[unit] == LAYER_OF[other] == "features":
                 problems.append(f"{where}: a feature imports another feature")
             elif private(target, name) and not LAYER_OF[unit] == LAYER_OF[other] == "core":
                 problems.append(f"{where}: a private name of another unit")
@@ -142,6 +141,47 @@ def test_the_package_keeps_its_layers():
     assert violations(files, packages) == []
 
 
+#: The unit that reads task YAML (configs/tasks/**, and the run files beside them): the one YAML reader.
+YAML_READER = "tasks"
+
+
+def yaml_readers(files: dict[str, str], packages: set[str]) -> list[str]:
+    """Every module outside ``YAML_READER`` that imports a YAML parser (``yaml``, ``ruamel.yaml``)."""
+    found = []
+    for module, source in sorted(files.items()):
+        if unit_of(module) == YAML_READER:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(name.split(".")[0] == "yaml" or name.startswith("ruamel.yaml") for name in names):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_no_module_outside_tasks_parses_task_yaml():
+    """Issue 70: the task config is read in one place; evaluate and finetune drive ``bert_cluster.tasks``."""
+    files, packages = package_files()
+    assert yaml_readers(files, packages) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("bert_cluster.evaluation", "def f():\n    import yaml\n"),
+        ("bert_cluster.finetuning", "from yaml import safe_load\n"),
+        ("bert_cluster.cli", "from ruamel.yaml import YAML\n"),
+    ],
+)
+def test_the_yaml_check_finds_a_parser_outside_tasks(module, source):
+    files, packages = package_files()
+    files[module] = source
+    assert [entry.split(":")[0] for entry in yaml_readers(files, packages)] == [module]
+
+
 @pytest.mark.parametrize(
     ("module", "source", "message"),
     [
@@ -151,7 +191,7 @@ def test_the_package_keeps_its_layers():
         ("bert_cluster.inspection", "def f():\n    from bert_cluster.evaluation import tuner\n", "another"),
         ("bert_cluster.embedding.run", "from ..evaluation.data import load_rows\n", "another feature"),
         ("bert_cluster.finetuning", "from bert_cluster.evaluation import runner\n", "another feature"),
-        ("bert_cluster.finetuning", "from bert_cluster.evaluation.data import _squad_rows\n", "private name"),
+        ("bert_cluster.finetuning", "from bert_cluster.tasks.data import _squad_rows\n", "private name"),
         ("bert_cluster.reports", "import bert_cluster\n", "only the shell imports the facade"),
         ("bert_cluster.checkpoints", "from bert_cluster import convert\n", "only the shell imports"),
         ("bert_cluster.inspection", "from bert_cluster.hf import _layer_indices\n", "a private name"),

@@ -33,6 +33,7 @@ def test_settings_parse_and_bad_ones_exit_2_with_one_line(tmp_path, capsys):
     assert not output.exists()
 
 
+@pytest.mark.slow(reason="the proxy scored on both splits at several settings")
 def test_a_run_scores_both_splits_and_tells_an_approximation_from_exact(tmp_path, monkeypatch):
     """At 64 tokens convert's min_length "auto" leaves every row exact: the defaults score as exact does.
     Forced onto every row at C = 2, the articles move and the question check says so."""

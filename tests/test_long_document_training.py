@@ -1,22 +1,32 @@
-"""scripts/long_document_training.py (issue 40, item 3): the split, the verdicts, and a run end to end on a
-small random sentence-transformer with seconds-long budgets."""
+"""benchmarks/long_document_training.py (issue 40, item 3): the split, the verdicts, and a run end to end on a
+small random sentence-transformer with seconds-long budgets (each arm a ``bert_cluster.finetune`` run of
+the task ``squad-articles-train``, whose kind holds the recipe's rows and loss)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import load_script, save_sentence_transformer
+from helpers import save_sentence_transformer
+
+from benchmarks import long_document_training
+from bert_cluster.tasks.kinds import long_retrieval
 
 
-def _script():
-    return load_script("long_document_training")
+def load_articles() -> long_retrieval.Articles:
+    """The 48 articles of the packaged file, read apart from the task (what the split is checked against)."""
+    import gzip
+
+    from bert_cluster.datafiles import PACKAGE_DATA
+
+    with gzip.open(PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz", "rt", encoding="utf-8") as handle:
+        document = json.load(handle)
+    return long_retrieval.articles_from_paragraphs(document["paragraphs"], document["questions"])
 
 
 def test_the_split_trains_on_articles_1_to_24_and_scores_25_to_48():
-    script = _script()
-    articles = script.load_articles()
-    pairs, held_out = script.split(articles, eval_every=1, length=4096)
+    articles = load_articles()
+    pairs, held_out = long_document_training.split(long_document_training.TASK, eval_every=1, length=4096)
     cut = [document[: 12 * 4096] for document in articles.documents]
     training_documents = {document for _, document in pairs}
     assert training_documents == set(cut[:24])
@@ -44,7 +54,7 @@ def _result(exact: list[tuple[float, float]], clustered: list[tuple[float, float
     ],
 )
 def test_the_verdicts_read_the_scores(exact, clustered, every_budget, half_time):
-    verdicts = _script().verdicts(_result(exact, clustered))
+    verdicts = long_document_training.verdicts(_result(exact, clustered))
     assert verdicts["at_least_exact_at_every_budget"] is every_budget
     assert verdicts["exact_final_within_half_time"] is half_time
 
@@ -55,10 +65,9 @@ def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
 
     from bert_cluster.checkpoints import default_model_path
 
-    script = _script()
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    articles = script.load_articles()
-    pairs, _ = script.split(articles, eval_every=1, length=4096)
+    articles = load_articles()
+    pairs, _ = long_document_training.split(long_document_training.TASK, eval_every=1, length=4096)
     for document in {document for _, document in pairs}:
         whole = next(d for d in articles.documents if d.startswith(document))
         kept = tokenizer(document, truncation=True, max_length=4096)["input_ids"]
@@ -67,12 +76,11 @@ def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
 
 @pytest.mark.slow
 def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
-    script = _script()
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     output = tmp_path / "out" / "training.json"
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "2", "--eval-every", "60"]
     arguments += ["--batch-size", "4", "--work", str(tmp_path / "work"), "--output", str(output)]
-    assert script.main(arguments) == 0
+    assert long_document_training.main(arguments) == 0
     result = json.loads(output.read_text())
     for variant in ("exact", "clustered"):
         run = result["variants"][variant]
@@ -81,7 +89,7 @@ def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
         assert seconds == sorted(seconds) and seconds[1] >= 1 and seconds[2] >= 2
         assert all(0 <= p["R@1"] <= 100 and 0 <= p["MRR@10"] <= 100 for p in run["points"])
         assert run["curve"] and all(c["loss"] > 0 for c in run["curve"])
-    assert result["verdicts"] == script.verdicts(result)
+    assert result["verdicts"] == long_document_training.verdicts(result)
     assert output.with_suffix(".md").read_text().count("\n") == 5  # header, rule, budgets 0, 1, 2
     assert output.with_suffix(".png").stat().st_size > 0
 
@@ -90,43 +98,47 @@ def test_the_growth_options_reach_convert_and_out_of_range_ones_exit_2(tmp_path,
     import bert_cluster
 
     class Converted(Exception):
-        """Stops the run at the clustered model's conversion."""
+        """Stops the run at the clustered arm's fine-tuning call, which converts with these settings."""
 
     seen: dict = {}
 
-    def convert(model, **settings):
-        seen.update(settings)
+    def finetune(model, task, output, **settings):
+        seen.update(settings["attention"].to_dict())
         raise Converted
 
-    monkeypatch.setattr(bert_cluster, "convert", convert)
-    script = _script()
+    monkeypatch.setattr(bert_cluster, "finetune", finetune)
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--variants", "clustered"]
     arguments += ["--work", str(tmp_path / "work"), "--output", str(tmp_path / "out.json")]
     with pytest.raises(Converted):
-        script.main([*arguments, "--cluster-growth", "0.75", "--topk-growth", "0.25"])
+        long_document_training.main([*arguments, "--cluster-growth", "0.75", "--topk-growth", "0.25"])
     assert seen["cluster_growth"] == 0.75 and seen["topk_growth"] == 0.25
     for option, value in [("--cluster-growth", "1.5"), ("--topk-growth", "-0.1")]:
         with pytest.raises(SystemExit) as stop:
-            script.main([*arguments, option, value])
+            long_document_training.main([*arguments, option, value])
         assert stop.value.code == 2 and f"{option} must be in 0..1" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
 
 
 @pytest.mark.slow
-def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path, monkeypatch):
+def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path):
     """--score-exact-too: untrained, the clustered model scored with exact attention is the exact model,
     so its scores equal the exact run's; the model goes back to clustered attention for its training."""
-    import bert_cluster
-
-    convert = bert_cluster.convert  # every row approximated: 64 tokens are under the "auto" minimum
-    monkeypatch.setattr(bert_cluster, "convert", lambda m, **kw: convert(m, **{"min_length": 0, **kw}))
-    script = _script()
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     output = tmp_path / "out" / "training.json"
     arguments = ["--minilm-16k", str(model), "--length", "64", "--budgets", "1", "--eval-every", "60"]
-    arguments += ["--batch-size", "4", "--clusters", "2", "--work", str(tmp_path / "work")]
-    assert script.main([*arguments, "--output", str(output), "--score-exact-too"]) == 0
+    # every row approximated: 64 tokens are under the "auto" minimum
+    arguments += [
+        "--batch-size",
+        "4",
+        "--clusters",
+        "2",
+        "--min-length",
+        "0",
+        "--work",
+        str(tmp_path / "work"),
+    ]
+    assert long_document_training.main([*arguments, "--output", str(output), "--score-exact-too"]) == 0
     result = json.loads(output.read_text())
     exact, clustered = (result["variants"][v] for v in ("exact", "clustered"))
     assert all("exact_attention" not in p for p in exact["points"])
@@ -137,15 +149,14 @@ def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path, monkeypa
     # is the first loss of a clustered run that never rescored
     assert clustered["curve"][0]["loss"] != exact["curve"][0]["loss"]
     again = tmp_path / "again" / "training.json"
-    assert script.main([*arguments, "--output", str(again), "--variants", "clustered"]) == 0
+    assert long_document_training.main([*arguments, "--output", str(again), "--variants", "clustered"]) == 0
     alone = json.loads(again.read_text())["variants"]["clustered"]
     assert alone["curve"][0]["loss"] == clustered["curve"][0]["loss"]
 
 
 def test_each_row_holds_questions_of_one_article_and_every_question_is_used():
-    script = _script()
     pairs = [(f"q{a}-{i}", f"article {a}") for a in range(3) for i in range(7 + a)]
-    rows = script.article_rows(pairs, questions_per_article=4, seed=0)
+    rows = long_retrieval.article_rows(pairs, questions_per_article=4, seed=0)
     columns = rows["columns"]
     assert list(columns) == ["question_0", "question_1", "question_2", "question_3", "article", "label"]
     asked = {(q, d) for q, d in pairs}
@@ -157,7 +168,10 @@ def test_each_row_holds_questions_of_one_article_and_every_question_is_used():
         seen.update(questions)
     assert seen == {q for q, _ in pairs}
     assert len(columns["article"]) == 2 + 2 + 3  # ceil(7/4), ceil(8/4) and ceil(9/4) rows
-    assert script.article_rows(pairs, 4, seed=0) == rows and script.article_rows(pairs, 4, seed=1) != rows
+    assert (
+        long_retrieval.article_rows(pairs, 4, seed=0) == rows
+        and long_retrieval.article_rows(pairs, 4, seed=1) != rows
+    )
 
 
 def _features(model, texts):
@@ -174,7 +188,7 @@ def test_the_loss_with_one_question_per_article_is_sentence_transformers_in_batc
     articles = ["the cup final was won by", "a river runs through the town", "the tower was built in"]
     features = [_features(model, questions), _features(model, articles)]
     labels = torch.tensor([0, 1, 2])
-    ours = _script().article_retrieval_loss(model, articles, bank=False)(features, labels)
+    ours = long_retrieval.article_retrieval_loss(model, articles, bank=False)(features, labels)
     theirs = MultipleNegativesRankingLoss(model)(features, labels)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert ours > 0
@@ -191,8 +205,8 @@ def test_the_bank_adds_the_other_training_articles_as_negatives_and_keeps_their_
     features = [_features(model, [q[0] for q in questions]), _features(model, [documents[i] for i in batch])]
     labels = torch.tensor(batch)
     with torch.no_grad():
-        plain = _script().article_retrieval_loss(model, documents, bank=False)(features, labels)
-        banked_loss = _script().article_retrieval_loss(model, documents, bank=True)
+        plain = long_retrieval.article_retrieval_loss(model, documents, bank=False)(features, labels)
+        banked_loss = long_retrieval.article_retrieval_loss(model, documents, bank=True)
         banked = banked_loss(features, labels)
         embeddings = model.encode(documents, convert_to_tensor=True, normalize_embeddings=True)
         scores = (
@@ -212,24 +226,22 @@ def _seeded(seed: int, exact: list[tuple[float, float]], clustered: list[tuple[f
 
 
 def test_the_seeds_plot_shows_clustered_minus_exact_at_the_budgets_every_seed_reached(tmp_path):
-    script = _script()
     runs = [
         _seeded(0, [(100, 20.0), (200, 30.0)], [(100, 19.0), (200, 33.0)]),
         _seeded(1, [(100, 22.0), (200, 31.0), (400, 32.0)], [(100, 23.0), (200, 30.0), (400, 35.0)]),
     ]
     # 400 s was reached by one seed only: it is left out, not averaged over one run
-    assert script.differences_at_budgets(runs) == {100: [-1.0, 1.0], 200: [3.0, -1.0]}
+    assert long_document_training.differences_at_budgets(runs) == {100: [-1.0, 1.0], 200: [3.0, -1.0]}
     files = []
     for index, run in enumerate(runs):
         files.append(tmp_path / f"seed{index}.json")
         files[-1].write_text(json.dumps(run))
     output = tmp_path / "plots" / "seeds.png"
-    assert script.main(["--plot-seeds", *map(str, files), "--output", str(output)]) == 0
+    assert long_document_training.main(["--plot-seeds", *map(str, files), "--output", str(output)]) == 0
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_seeds_plot_refuses_a_run_without_both_variants_and_a_non_png_output(tmp_path, capsys):
-    script = _script()
     run = _seeded(0, [(100, 20.0)], [(100, 21.0)])
     del run["variants"]["clustered"]
     path = tmp_path / "exact_only.json"
@@ -239,6 +251,6 @@ def test_the_seeds_plot_refuses_a_run_without_both_variants_and_a_non_png_output
         ("seeds.json", "writes a .png"),
     ]:
         with pytest.raises(SystemExit) as stop:
-            script.main(["--plot-seeds", str(path), "--output", str(tmp_path / output)])
+            long_document_training.main(["--plot-seeds", str(path), "--output", str(tmp_path / output)])
         assert stop.value.code == 2 and message in capsys.readouterr().err
         assert not (tmp_path / output).exists()

@@ -9,13 +9,12 @@ import re
 import shutil
 from pathlib import Path
 
-import helpers
 import pytest
 import yaml
 from markdown_it import MarkdownIt
 
 import bert_cluster
-from benchmarks import finetune_recovery, long_document_fidelity, render
+from benchmarks import finetune_recovery, long_document_fidelity, long_document_training, render
 from bert_cluster.config import ClusteredAttentionConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -597,7 +596,7 @@ def long_document_result(exact: list[float], clustered: list[float]) -> dict:
         "environment": {"processor": "AMD EPYC", "kernels_cpu_isa": "x86-64-v4", "threads": 2,
                         "date": "2026-12-05T03:00:00+00:00"},
     }  # fmt: skip
-    result["verdicts"] = helpers.load_script("long_document_training").verdicts(result)
+    result["verdicts"] = long_document_training.verdicts(result)
     return result
 
 

@@ -25,16 +25,16 @@ from bert_cluster.checkpoints import (
     resolve_model,
 )
 from bert_cluster.config import EVALUATION_SETTINGS, ClusteredAttentionConfig
-from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
+from bert_cluster.errors import UserError, parse_clusters, positive_int
 from bert_cluster.evaluation import report, runner
-from bert_cluster.evaluation.data import data_dirs, load_task_texts
-from bert_cluster.evaluation.kinds import get_kind
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
 from bert_cluster.evaluation.runner import RunInterrupted, TaskSession
-from bert_cluster.evaluation.tasks import TaskConfig, config_root, get_tasks, load_tasks
 from bert_cluster.evaluation.tuner import Candidate, TuneInterrupted, TuneResult, tune
 from bert_cluster.parallel import Workers, check_device
 from bert_cluster.reports import check_output
+from bert_cluster.tasks.config import TaskConfig, config_root, get_tasks, load_tasks, read_mapping
+from bert_cluster.tasks.data import data_dirs, load_task_texts
+from bert_cluster.tasks.kinds import get_kind
 
 __all__ = [
     "EVALUATION_DEFAULTS",
@@ -79,17 +79,10 @@ def default_run(path: str | Path | None = None) -> dict[str, Any]:
 
     Keys naming a ``ClusteredAttentionConfig`` field (``topk``, ``bits``, ...) go to ``attention``.
     """
-    import yaml
-
     path = Path(path) if path is not None else config_root() / "eval" / "default.yaml"
     if not path.is_file():
         raise UserError(f"no model given and the embedded default {path} is missing; name a MODEL and --task")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the default run must be a mapping")
+    raw = read_mapping(path, "the default run", empty=True)
     allowed = _DEFAULT_KEYS | (_ATTENTION_FIELDS - {"mode", "clusters", "seed"}) | {"description"}
     unknown = sorted(set(raw) - allowed)
     if unknown:

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 from bert_cluster import hf
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
-from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, TaskKind, get_kind
 from bert_cluster.evaluation.report import Results, RunResult, TaskResult
-from bert_cluster.evaluation.tasks import TaskConfig
 from bert_cluster.parallel import Timing, Workers
 from bert_cluster.reports import environment
+from bert_cluster.tasks.config import TaskConfig
+from bert_cluster.tasks.kinds import Examples, LoadedModel, ScoreSettings, TaskKind, get_kind
 
 
 class Reporter(Protocol):

@@ -37,11 +37,11 @@ from bert_cluster.checkpoints import attention_config, check_model_path, convert
 from bert_cluster.config import MODES, ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, parse_clusters, positive_int
 from bert_cluster.evaluation import runner
-from bert_cluster.evaluation.data import data_dirs
 from bert_cluster.evaluation.report import RunResult
-from bert_cluster.evaluation.tasks import get_tasks
 from bert_cluster.parallel import Workers, check_device
 from bert_cluster.reports import ReportFiles, atomic_write, markdown_table, metadata_markdown, write_report
+from bert_cluster.tasks.config import get_tasks
+from bert_cluster.tasks.data import data_dirs
 
 #: The default grid: cluster counts C and exact keys k tried (the product's C = 25, k = 32 included).
 DEFAULT_CLUSTERS = (10, 25, 50, 100)

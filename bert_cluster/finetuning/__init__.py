@@ -38,10 +38,11 @@ from bert_cluster.checkpoints import (
 )
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, one_line, positive_int
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.tasks import TaskConfig, get_tasks, label_mapping
-from bert_cluster.finetuning import features, report, safety
+from bert_cluster.finetuning import report, safety
 from bert_cluster.parallel import check_device
+from bert_cluster.tasks import TaskConfig, get_tasks, load_rows, load_tasks
+from bert_cluster.tasks.data import locator
+from bert_cluster.tasks.kinds import Examples, ScoreSettings, TrainableKind, TrainingModel, trainable
 
 __all__ = ["FinetuneInterrupted", "FinetuneResult", "finetune"]
 
@@ -68,16 +69,27 @@ _RESUME_KEYS = (
     "distill",
     "distill_temperature",
     "distill_dropout",
+    "attention_dropout",
+    "max_seconds",
+    "warmup_steps",
+    "schedule",
 )
 #: What a resume key was before it existed (a run started by an older version trained with it).
-_RESUME_DEFAULTS = {"distill": 0.0, "distill_temperature": None, "distill_dropout": False}
-#: The model class each loss trains (the head computes that loss from the features' labels).
-_HEADS = {
-    "cross-entropy": "AutoModelForSequenceClassification",
-    "mse": "AutoModelForSequenceClassification",
-    "span-cross-entropy": "AutoModelForQuestionAnswering",
+_RESUME_DEFAULTS = {
+    "distill": 0.0,
+    "distill_temperature": None,
+    "distill_dropout": False,
+    "attention_dropout": None,
+    "max_seconds": None,
+    "warmup_steps": 0,
+    "schedule": "linear",
 }
+#: Learning-rate schedules after the warm-up: Trainer's linear decay to 0 at the last step, or constant
+#: (what a time budget needs: its last step is not known in advance).
+SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup"}
 DEFAULT_EPOCHS = 3.0
+#: Passes over the data a time budget may take without epochs or max_steps: a bound the budget ends first.
+UNBOUNDED_EPOCHS = 10_000.0
 DEFAULT_LEARNING_RATE = {True: 5e-4, False: 2e-5}  # LoRA (as ../shared/models was trained), full
 #: LoRA's default with ``distill``: 5e-4 overshoots a distance that starts small (RTE at C = 10, 40 steps:
 #: the dev KL to the teacher 0.0122 -> 0.0179 at 5e-4, -> 0.0077 at 1e-4).
@@ -107,6 +119,11 @@ class FinetuneResult:
     skipped_checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)
     #: ``resume`` found the run finished: nothing was trained or written (the result is its report's).
     already_finished: bool = False
+    #: The held-out split scored at each ``eval_at`` mark: ``{mark, seconds, step, scores}``.
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: The training time at each step of the loss curve (``{step, seconds}``; a resumed run's steps
+    #: before its checkpoint as they were logged then, when the checkpoint holds them).
+    clock_curve: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``finetune.json`` without its environment)."""
@@ -121,6 +138,8 @@ class FinetuneResult:
             "resumed_from": self.resumed_from,
             "skipped_checkpoints": self.skipped_checkpoints,
             "train_seconds": self.train_seconds,
+            "evaluations": self.evaluations,
+            "clock_curve": self.clock_curve,
         }
 
     @classmethod
@@ -134,6 +153,8 @@ class FinetuneResult:
             files={name: output / name for name in document.get("files", [])},
             skipped_checkpoints=document.get("skipped_checkpoints", {}),
             already_finished=True,
+            evaluations=document.get("evaluations", []),
+            clock_curve=document.get("clock_curve", []),
         )
 
 
@@ -165,28 +186,15 @@ def _number(name: str, value: Any, kind: type, allow_none: bool = True) -> Any:
     return kind(value)
 
 
-def _train_task(name: str) -> TaskConfig:
+def _train_task(name: str) -> tuple[TaskConfig, TrainableKind]:
+    """The task ``finetune`` trains on and its kind (which loads the model and makes the features)."""
     if not isinstance(name, str) or "," in name:
         raise UserError(f"finetune trains on one task, got {name!r}")
     (task,) = get_tasks(name)
     if task.train is None:
-        trainable = sorted(t.name for t in _all_tasks() if t.train is not None)
-        raise UserError(f"task {task.name} has no train split; tasks with one: {', '.join(trainable)}")
-    if task.train.loss not in _HEADS:
-        raise UserError(f"task {task.name}: finetune does not train the loss {task.train.loss!r}")
-    regression = task.label_names is None
-    if task.train.loss in ("cross-entropy", "mse") and (task.train.loss == "mse") != regression:
-        raise UserError(
-            f"task {task.name}: loss {task.train.loss} does not fit its labels "
-            f"({'a regression' if regression else 'classes'}); use {'mse' if regression else 'cross-entropy'}"
-        )
-    return task
-
-
-def _all_tasks() -> list[TaskConfig]:
-    from bert_cluster.evaluation.tasks import load_tasks
-
-    return list(load_tasks().values())
+        trainable_tasks = sorted(t.name for t in load_tasks().values() if t.train is not None)
+        raise UserError(f"task {task.name} has no train split; tasks with one: {', '.join(trainable_tasks)}")
+    return task, trainable(task)
 
 
 @dataclasses.dataclass
@@ -259,6 +267,12 @@ def _finished_report(output: Path) -> dict[str, Any] | None:
     return document
 
 
+def _mark(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise UserError(f"each eval_at mark must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def _check_same_settings(earlier: dict[str, Any], settings: dict[str, Any], output: Path) -> None:
     changed = [
         key for key in _RESUME_KEYS if earlier.get(key, _RESUME_DEFAULTS.get(key)) != settings.get(key)
@@ -278,60 +292,20 @@ def _check_same_content(earlier: dict[str, Any], settings: dict[str, Any], key: 
         )
 
 
-def _load(source: str, task: TaskConfig) -> tuple[Any, Any, list[int] | None, bool, list[str]]:
-    """The model with the head ``task``'s loss trains, its tokenizer, the label mapping, the head's origin.
-
-    The fourth is False where the checkpoint has no such head and the model got a fresh one; the fifth
-    names the weights made fresh (not the checkpoint's).
-    """
-    import transformers
-
-    auto_class = getattr(transformers, _HEADS[task.train.loss])
-    try:
-        with quiet():
-            tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-            hf_config = transformers.AutoConfig.from_pretrained(source)
-            has_head = any(
-                name.endswith(auto_class.__name__.removeprefix("AutoModel"))
-                for name in hf_config.architectures or []
-            )
-            extra: dict[str, Any] = {}
-            if not has_head and task.train.loss != "span-cross-entropy":
-                names = list(task.label_names or ["score"])
-                extra = {
-                    "num_labels": len(names),
-                    "id2label": dict(enumerate(names)),
-                    "label2id": {name: index for index, name in enumerate(names)},
-                }
-            model, info = auto_class.from_pretrained(source, output_loading_info=True, **extra)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise UserError(f"cannot load model {source}: {one_line(error)}") from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError(f"model {source}: a fast tokenizer (tokenizer.json) is needed")
-    to_model = None
-    if task.train.loss != "span-cross-entropy":
-        model.config.problem_type = (
-            "regression" if task.label_names is None else "single_label_classification"
-        )
-        mapping = label_mapping(model.config.id2label or {}, model.config.num_labels, task)
-        if mapping is not None:  # model index -> dataset index; the labels need the inverse
-            to_model = [mapping.index(index) for index in range(len(mapping))]
-    return model, tokenizer, to_model, has_head, list(info.get("missing_keys", []))
-
-
 def _teacher(source: str, task: TaskConfig) -> Any:
     """The checkpoint with its original attention, for ``distill`` (reverted when it was saved converted)."""
     from bert_cluster import hf
 
-    teacher, _, _, has_head, _ = _load(source, task)
-    if not has_head:
+    teacher = trainable(task).training_model(source, task)
+    if not teacher.has_head:
         raise UserError(
             f"--distill needs a checkpoint with its task head; {source} has none for {task.name} "
             "(fine-tune it on the labels first, without --distill)"
         )
-    if isinstance(getattr(teacher.config, hf.SETTINGS_KEY, None), dict):
-        hf.revert(teacher)
-    return teacher
+    model = teacher.model
+    if isinstance(getattr(model.config, hf.SETTINGS_KEY, None), dict):
+        hf.revert(model)
+    return model
 
 
 def _lora(model: Any, rank: int, alpha: int) -> Any:
@@ -368,7 +342,7 @@ def finetune(
     *,
     attention: ClusteredAttentionConfig | Mapping[str, Any] | None = None,
     exact: bool = False,
-    lora: bool = True,
+    lora: bool | None = None,
     lora_rank: int = 16,
     lora_alpha: int = 32,
     epochs: float | None = None,
@@ -387,6 +361,13 @@ def finetune(
     distill: float = 0.0,
     distill_temperature: float = 1.0,
     distill_dropout: bool = False,
+    attention_dropout: float | None = None,
+    max_seconds: float | None = None,
+    eval_at: Sequence[float] = (),
+    eval_limit: int | None = None,
+    eval_exact: bool = False,
+    warmup_steps: int = 0,
+    schedule: str | None = None,
     reporter: Any = None,
     callbacks: Sequence[Any] = (),
 ) -> FinetuneResult:
@@ -401,7 +382,8 @@ def finetune(
             a ``ClusteredAttentionConfig`` or a mapping of the settings to change.
         exact: train with the unmodified attention (the control); no ``attention`` then.
         lora: LoRA (peft, rank ``lora_rank``, alpha ``lora_alpha``) with the head trained fully; False:
-            every weight.
+            every weight; None: the task kind's way (LoRA where it trains a head, every weight where LoRA
+            does not suit it: long-document retrieval).
         epochs: passes over the train split (default 3); ``max_steps`` instead: optimizer steps.
         learning_rate: default 5e-4 with LoRA (1e-4 with ``distill``), 2e-5 without.
         batch_size: examples (SQuAD: windows) per step.
@@ -419,6 +401,20 @@ def finetune(
         distill_temperature: the softmax temperature of that distance for classes and spans.
         distill_dropout: keep the student's dropout on under ``distill`` (off by default): the noise that
             moves an exact-attention control as the approximation moves the clustered run.
+        attention_dropout: the model's attention dropout while training (None: its config's); 0 keeps
+            torch's SDPA on its flash kernel (with dropout it falls back to the math path, which keeps
+            every N x N probability for the backward).
+        max_seconds: a budget of training time (scoring excluded): training stops at the first step past
+            it (``epochs``, ``max_steps`` bound it too; without them it runs until the budget).
+        eval_at: marks of training time (seconds; 0 = before the first step) at which the task's
+            held-out split is scored with the model as it trains (its own attention), the clock paused:
+            ``FinetuneResult.evaluations``.
+        eval_limit: score N held-out examples at each mark (the kind's sample, as ``evaluate --limit``).
+        eval_exact: at each mark, also score the converted model with exact attention.
+        warmup_steps: steps of linear learning-rate warm-up.
+        schedule: the learning rate after the warm-up, ``linear`` (down to 0 at the last step) or
+            ``constant``; default ``constant`` with ``max_seconds`` (the last step is not known), else
+            ``linear``.
         reporter: progress callbacks (``evaluation.runner.Reporter``: start, task, configuration,
             advance, finish); None: silent.
         callbacks: further ``transformers.TrainerCallback`` objects.
@@ -427,8 +423,12 @@ def finetune(
         UserError: a mistake in the arguments, found before any training.
         FinetuneInterrupted: Ctrl-C; resume with ``resume=True``.
     """
-    task_config = _train_task(task)
+    task_config, kind = _train_task(task)
     lora_rank, lora_alpha = positive_int("lora_rank", lora_rank), positive_int("lora_alpha", lora_alpha)
+    if lora is None:
+        lora = kind.lora
+    elif lora and not kind.lora:
+        raise UserError(f"task {task_config.name} ({task_config.kind}) trains every weight: no LoRA (--full)")
     batch_size, save_steps = positive_int("batch_size", batch_size), positive_int("save_steps", save_steps)
     epochs = _number("epochs", epochs, float)
     max_steps = _number("max_steps", max_steps, int)
@@ -446,6 +446,26 @@ def finetune(
         raise UserError("distill_dropout needs distill > 0 (fine-tuning on the labels has its dropout on)")
     if epochs is not None and max_steps is not None:
         raise UserError("give epochs or max_steps, not both")
+    if distill and not kind.distillable:
+        raise UserError(f"task {task_config.name} ({task_config.kind}) cannot be distilled: give no distill")
+    if attention_dropout is not None and (
+        isinstance(attention_dropout, bool)
+        or not isinstance(attention_dropout, (int, float))
+        or not 0 <= attention_dropout < 1
+    ):
+        raise UserError(f"attention_dropout must be a number in [0, 1), got {attention_dropout!r}")
+    max_seconds = _number("max_seconds", max_seconds, float)
+    marks = sorted({_mark(mark) for mark in eval_at})
+    eval_limit = _number("eval_limit", eval_limit, int)
+    if marks and getattr(kind, "scoring_model", None) is None:
+        raise UserError(
+            f"task {task_config.name} ({task_config.kind}) is not scored while it trains: no eval_at"
+        )
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise UserError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+    schedule = schedule or ("constant" if max_seconds is not None else "linear")
+    if schedule not in SCHEDULES:
+        raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if exact and attention:
         raise UserError("exact trains with the unmodified attention: give no attention settings with it")
     config = None
@@ -468,7 +488,7 @@ def finetune(
         "lora": lora,
         "lora_rank": lora_rank if lora else None,
         "lora_alpha": lora_alpha if lora else None,
-        "epochs": epochs if max_steps is not None else (epochs or DEFAULT_EPOCHS),
+        "epochs": epochs if max_steps is not None or max_seconds is not None else (epochs or DEFAULT_EPOCHS),
         "max_steps": max_steps,
         "learning_rate": learning_rate or default_learning_rate(lora, distill),
         "batch_size": batch_size,
@@ -481,6 +501,13 @@ def finetune(
         "distill": float(distill),
         "distill_temperature": distill_temperature if distill > 0 else None,
         "distill_dropout": bool(distill_dropout),
+        "attention_dropout": None if attention_dropout is None else float(attention_dropout),
+        "max_seconds": max_seconds,
+        "eval_at": marks,
+        "eval_limit": eval_limit,
+        "eval_exact": bool(eval_exact),
+        "warmup_steps": warmup_steps,
+        "schedule": schedule,
     }
     if settings["max_steps"] is not None:
         settings["epochs"] = None
@@ -489,13 +516,27 @@ def finetune(
         return FinetuneResult.finished(output, start.finished)
     rows = load_rows(task_config, data_dir, split="train")
     chosen = rows.rows if limit is None else rows.rows[:limit]
-    where = features.locator(task_config, data_dir, rows.source, len(rows.rows))
-    features.check_rows(chosen, task_config, where)
+    kind.check_rows(chosen, task_config, locator(task_config, data_dir, rows.source, len(rows.rows)))
+    held_out = None
+    if marks:  # read before any training: a missing held-out split is found now
+        folders = [data_dir] if isinstance(data_dir, (str, Path)) else data_dir
+        held_out = kind.load_examples(task_config, list(folders) if folders else None, eval_limit)
     settings["data_sha256"] = safety.rows_sha256(chosen)
     _check_same_content(start.earlier, settings, "data_sha256", f"the training data ({rows.source})")
     try:
         return _train(
-            task_config, source, output, settings, config, chosen, rows.source, start, reporter, callbacks
+            task_config,
+            kind,
+            source,
+            output,
+            settings,
+            config,
+            chosen,
+            rows.source,
+            start,
+            reporter,
+            callbacks,
+            held_out,
         )
     except FinetuneInterrupted:
         raise
@@ -505,6 +546,7 @@ def finetune(
 
 def _train(
     task: TaskConfig,
+    kind: TrainableKind,
     source: str,
     output: Path,
     settings: dict[str, Any],
@@ -514,6 +556,7 @@ def _train(
     start: _Start,
     reporter: Any,
     callbacks: Sequence[Any],
+    held_out: Examples | None = None,
 ) -> FinetuneResult:
     import transformers
 
@@ -524,26 +567,31 @@ def _train(
         ProgressCallback,
         StopAtTheEnd,
         TrainingClock,
+        TrainingMarks,
     )
 
     # The teacher first, so that the new weights below are a run without distill's (the same seed's).
     teacher = _teacher(source, task) if settings["distill"] > 0 else None
     transformers.set_seed(settings["seed"])  # the new head's and LoRA's weights, before the Trainer's seed
-    model, tokenizer, to_model, _, fresh = _load(source, task)
-    settings["model_sha256"] = safety.weights_sha256(model, fresh)  # as loaded: before any change
+    overrides = (
+        {}
+        if settings["attention_dropout"] is None
+        else {"attention_probs_dropout_prob": settings["attention_dropout"]}
+    )
+    loaded: TrainingModel = kind.training_model(source, task, overrides)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    settings["model_sha256"] = safety.weights_sha256(model, loaded.fresh)  # as loaded: before any change
     _check_same_content(start.earlier, settings, "model_sha256", f"the model's weights ({source})")
-    positions = max_positions(model.config)
+    positions = max_positions(loaded.target.config)
     if positions is not None and settings["max_length"] > positions:
         raise UserError(
             f"--max-length {settings['max_length']} is more than model {source} takes ({positions})"
         )
-    if task.train.loss == "span-cross-entropy":
-        train = features.spans(rows, task, tokenizer, settings["max_length"])
-    else:
-        train = features.classification(rows, task, tokenizer, settings["max_length"], to_model)
+    loaded.max_length, loaded.seed = settings["max_length"], settings["seed"]
+    train = kind.training_features(rows, task, loaded)
     if config is not None:
         try:
-            hf.convert(model, config=config)
+            hf.convert(loaded.target, config=config)
         except (TypeError, ValueError) as error:
             raise UserError(f"cannot convert {source}: {one_line(error)}") from None
     if settings["lora"]:
@@ -559,29 +607,28 @@ def _train(
             shutil.rmtree(entry)
     checkpoints.mkdir(parents=True, exist_ok=True)
     (checkpoints / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-    try:
-        arguments = transformers.TrainingArguments(
-            output_dir=str(checkpoints),
-            per_device_train_batch_size=settings["batch_size"],
-            learning_rate=settings["learning_rate"],
-            num_train_epochs=settings["epochs"] or 1.0,
-            max_steps=settings["max_steps"] or -1,
-            seed=settings["seed"],
-            data_seed=settings["seed"],
-            bf16=settings["bf16"],
-            logging_strategy="steps",
-            logging_steps=1,
-            logging_nan_inf_filter=False,  # the loss logged is the step's own, NaN included (FiniteGuard)
-            save_strategy="steps",
-            save_steps=settings["save_steps"],
-            save_total_limit=2,
-            report_to=[],
-            disable_tqdm=True,
-            use_cpu=settings["device"] == "cpu",
-            dataloader_num_workers=0,
-        )
-    except (ValueError, ImportError) as error:  # bf16 on hardware without it, for one
-        raise UserError(f"cannot train with these settings: {one_line(error)}") from None
+    arguments = {
+        "output_dir": str(checkpoints),
+        "per_device_train_batch_size": settings["batch_size"],
+        "learning_rate": settings["learning_rate"],
+        "num_train_epochs": settings["epochs"] or (UNBOUNDED_EPOCHS if settings["max_seconds"] else 1.0),
+        "warmup_steps": settings["warmup_steps"],
+        "lr_scheduler_type": SCHEDULES[settings["schedule"]],
+        "max_steps": settings["max_steps"] or -1,
+        "seed": settings["seed"],
+        "data_seed": settings["seed"],
+        "bf16": settings["bf16"],
+        "logging_strategy": "steps",
+        "logging_steps": 1,
+        "logging_nan_inf_filter": False,  # the loss logged is the step's own, NaN included (FiniteGuard)
+        "save_strategy": "steps",
+        "save_steps": settings["save_steps"],
+        "save_total_limit": 2,
+        "report_to": [],
+        "disable_tqdm": True,
+        "use_cpu": settings["device"] == "cpu",
+        "dataloader_num_workers": 0,
+    }
     label = "exact attention" if config is None else f"{config.mode}, C={config.clusters}"
     label = f"{label}, {'LoRA' if settings['lora'] else 'full'}"
     if teacher is not None:
@@ -589,28 +636,33 @@ def _train(
     label = f"fine-tuning ({label})"
     clock = TrainingClock.resuming(resume_from)
     guard, at_the_end = FiniteGuard(), StopAtTheEnd()
-    progress = [ProgressCallback(reporter, task.name, label)] if reporter is not None else []
-    extra = [at_the_end, *callbacks, clock, guard, CheckpointChecksums(), *progress]
-    common = {
-        "model": model,
-        "args": arguments,
-        "train_dataset": train,
-        "data_collator": transformers.DataCollatorWithPadding(tokenizer),
-        "callbacks": extra,
-    }
-    if teacher is None:
-        trainer = transformers.Trainer(**common)
-    else:
+    marks = TrainingMarks(
+        clock,
+        settings["eval_at"],
+        settings["max_seconds"],
+        _scorer(kind, task, loaded, held_out, settings, config) if held_out is not None else dict,
+        TrainingMarks.saved(resume_from),
+    )
+    budget = None if settings["max_seconds"] is None else (clock, settings["max_seconds"])
+    progress = [ProgressCallback(reporter, task.name, label, budget)] if reporter is not None else []
+    extra = [at_the_end, *callbacks, clock, marks, guard, CheckpointChecksums(), *progress]
+    distilling: dict[str, Any] = {}
+    if teacher is not None:
         from bert_cluster.finetuning.distillation import DistillationTrainer  # imports transformers
 
-        trainer = DistillationTrainer(
-            **common,
-            teacher=teacher,
-            weight=settings["distill"],
-            temperature=settings["distill_temperature"],
-            loss=task.train.loss,
-            dropout=settings["distill_dropout"],
-        )
+        distilling = {
+            "trainer_class": DistillationTrainer,
+            "teacher": teacher,
+            "weight": settings["distill"],
+            "temperature": settings["distill_temperature"],
+            "loss": task.train.loss,
+            "dropout": settings["distill_dropout"],
+        }
+    loaded.model = model  # wrapped in LoRA
+    try:
+        trainer = kind.trainer(loaded, train, {"arguments": arguments, "callbacks": extra, **distilling})
+    except (ValueError, ImportError) as error:  # bf16 on hardware without it, for one
+        raise UserError(f"cannot train with these settings: {one_line(error)}") from None
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # its dicts on stdout: the report
     try:
         with quiet():
@@ -633,14 +685,18 @@ def _train(
     _check_finite(trained, output)
     try:
         with quiet():
-            trained.save_pretrained(output)
-            tokenizer.save_pretrained(output)
+            kind.save(trained, tokenizer, output)
     except OSError as error:
         raise UserError(f"cannot write the checkpoint to {output}: {error.strerror or error}") from None
     curve = [
         {key: entry[key] for key in ("step", "epoch", "loss", "learning_rate", "grad_norm") if key in entry}
         for entry in trainer.state.log_history
         if "loss" in entry
+    ]
+    clock_curve = [
+        {"step": entry["step"], "seconds": entry["seconds"]}
+        for entry in trainer.state.log_history
+        if "loss" in entry and "seconds" in entry
     ]
     result = FinetuneResult(
         output=output,
@@ -654,9 +710,49 @@ def _train(
         train_seconds=clock.seconds,
         files={},
         skipped_checkpoints=start.skipped,
+        evaluations=marks.evaluations,
+        clock_curve=clock_curve,
     )
     result.files = report.write(result, output)
     return result
+
+
+def _scorer(
+    kind: TrainableKind,
+    task: TaskConfig,
+    loaded: TrainingModel,
+    held_out: Examples,
+    settings: dict[str, Any],
+    config: ClusteredAttentionConfig | None,
+) -> Any:
+    """What ``TrainingMarks`` calls at each mark: the kind's scores of the model as it trains.
+
+    With ``eval_exact`` a converted model is also scored with its attention reverted (``exact_attention``):
+    what its training learned, apart from what its approximation costs at scoring.
+    """
+    from bert_cluster import hf
+
+    scoring = kind.scoring_model(loaded)  # type: ignore[attr-defined]
+    options = ScoreSettings(
+        batch_size=task.batch_size, max_length=settings["max_length"], device=settings["device"]
+    )
+
+    def scores() -> dict[str, float]:
+        loaded.model.eval()
+        values = kind.score(scoring, task, held_out, options, lambda *progress: None)  # type: ignore[attr-defined]
+        return {name: float(value) for name, value in values.items()}
+
+    def score() -> dict[str, Any]:
+        entry: dict[str, Any] = {"scores": scores()}
+        if settings["eval_exact"] and config is not None:
+            hf.revert(loaded.target)
+            try:
+                entry["exact_attention"] = scores()
+            finally:
+                hf.convert(loaded.target, config=config)
+        return entry
+
+    return score
 
 
 def _check_finite(model: Any, output: Path) -> None:

@@ -6,8 +6,10 @@ resume from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,17 @@ class ProgressCallback(TrainerCallback):
     the rest look faster.
     """
 
-    def __init__(self, reporter: Any, task: str, label: str) -> None:
+    def __init__(self, reporter: Any, task: str, label: str, budget: tuple[Any, float] | None = None) -> None:
         self.reporter, self.task, self.label = reporter, task, label
         self.start: int | None = None
+        self.budget = budget  # (TrainingClock, seconds): a time budget, counted in seconds of training
+
+    def _counts(self, state: Any) -> tuple[int, int]:
+        """(done, total): steps, or with a time budget whole seconds of training."""
+        if self.budget is None:
+            return state.global_step, state.max_steps
+        clock, seconds = self.budget  # the budget is the clock: what is left of it is the ETA
+        return min(int(clock.seconds), int(seconds)), int(seconds)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
         self.reporter.start(1)
@@ -34,11 +44,11 @@ class ProgressCallback(TrainerCallback):
         self.reporter.configuration(self.label)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
-        total = state.max_steps
+        done, total = self._counts(state)
         if self.start is None:  # this process's first step (after a resume: the checkpoint's + 1)
-            self.start = state.global_step - 1
+            self.start = state.global_step - 1 if self.budget is None else done
             self.reporter.advance(self.start, total, 0, total - self.start)
-        self.reporter.advance(state.global_step, total, state.global_step - self.start, total - self.start)
+        self.reporter.advance(done, total, done - self.start, total - self.start)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
         self.reporter.finish()
@@ -56,6 +66,7 @@ class TrainingClock(TrainerCallback, ExportableState):
     def __init__(self, seconds_before: float = 0.0) -> None:
         self.seconds_before = seconds_before
         self.started: float | None = None
+        self.excluded = 0.0  # this part's seconds spent scoring (``paused``): not training time
 
     @classmethod
     def resuming(cls, checkpoint: Path | None) -> TrainingClock:
@@ -69,14 +80,28 @@ class TrainingClock(TrainerCallback, ExportableState):
     @property
     def seconds(self) -> float:
         """Training time so far, over all parts."""
-        running = 0.0 if self.started is None else time.monotonic() - self.started
+        running = 0.0 if self.started is None else time.monotonic() - self.started - self.excluded
         return self.seconds_before + running
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What runs inside (scoring the held-out split) is not training time."""
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.excluded += time.monotonic() - began
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
-        self.started = time.monotonic()
+        self.started, self.excluded = time.monotonic(), 0.0
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
         self.seconds_before, self.started = self.seconds, None
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        logs = kwargs.get("logs") or {}
+        if "loss" in logs and state.log_history:  # the loss curve against training time too
+            state.log_history[-1]["seconds"] = round(self.seconds, 3)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the time up to it, under the name a resumed clock reads back."""
@@ -137,3 +162,59 @@ class StopAtTheEnd(TrainerCallback):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
             self.finished = True
             raise _AtTheEnd
+
+
+class TrainingMarks(TrainerCallback, ExportableState):
+    """The held-out split scored at marks of training time, and the run stopped at its time budget.
+
+    The clock (``TrainingClock``) is paused while scoring, so the budget and the marks count training
+    alone. A mark of 0 is scored before the first step. ``evaluations``: one entry per mark passed (the
+    seconds and step it was scored at, and what ``score`` returns: ``scores``, maybe ``exact_attention``);
+    saved in each checkpoint, so that a resumed run keeps the marks scored before and scores only those
+    after.
+    """
+
+    def __init__(
+        self,
+        clock: TrainingClock,
+        marks: Sequence[float],
+        budget: float | None,
+        score: Callable[[], dict[str, Any]],
+        evaluations: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        self.clock, self.budget, self.score = clock, budget, score
+        self.evaluations = list(evaluations)
+        done = {entry["mark"] for entry in self.evaluations}
+        self.pending = sorted(mark for mark in marks if mark not in done)
+
+    @staticmethod
+    def saved(checkpoint: Path | None) -> list[dict[str, Any]]:
+        """The evaluations a checkpoint holds (none without one)."""
+        if checkpoint is None:
+            return []
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+        saved = state.get("stateful_callbacks", {}).get(TrainingMarks.__name__, {})
+        return list(saved.get("attributes", {}).get("evaluations", []))
+
+    def _score_due(self, step: int, model: Any) -> None:
+        while self.pending and self.clock.seconds >= self.pending[0]:
+            mark, seconds = self.pending.pop(0), self.clock.seconds
+            with self.clock.paused():
+                training = getattr(model, "training", False)
+                scored = self.score()
+                if training:
+                    model.train()
+            self.evaluations.append({"mark": mark, "seconds": seconds, "step": step, **scored})
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        if state.global_step == 0:
+            self._score_due(0, kwargs.get("model"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # noqa: D102
+        self._score_due(state.global_step, kwargs.get("model"))
+        if self.budget is not None and self.clock.seconds >= self.budget:
+            control.should_training_stop = True
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the marks scored so far."""
+        return {"args": {}, "attributes": {"evaluations": self.evaluations}}

@@ -49,12 +49,39 @@ def markdown(result: Any, environment_: dict[str, Any]) -> str:
         "",
         *markdown_table(["step", "epoch", "loss"], rows, 0),
         "",
+        *evaluations_markdown(result.evaluations),
     ]
     return "\n".join([*lines, *metadata_markdown(settings, environment_)])
 
 
-def plot(curve: list[dict[str, float]], path: Path) -> Path | None:
-    """loss.png: the training loss against the step (None: no step was logged)."""
+def evaluations_markdown(evaluations: list[dict[str, Any]]) -> list[str]:
+    """The held-out scores at each mark of training time (nothing without marks)."""
+    if not evaluations:
+        return []
+    metrics = list(evaluations[0]["scores"])
+    exact = "exact_attention" in evaluations[0]
+    rows = [
+        [f"{entry['mark']:g}", f"{entry['seconds']:.1f}", str(entry["step"])]
+        + [f"{entry['scores'].get(name, float('nan')):.4f}" for name in metrics]
+        + [f"{entry.get('exact_attention', {}).get(name, float('nan')):.4f}" for name in metrics if exact]
+        for entry in evaluations
+    ]
+    scored_exact = [f"{name}, scored exact" for name in metrics if exact]
+    return [
+        "Held-out scores at marks of training time (scoring excluded from the clock):",
+        "",
+        *markdown_table(["mark (s)", "training time (s)", "step", *metrics, *scored_exact], rows, 0),
+        "",
+    ]
+
+
+def plot(
+    curve: list[dict[str, float]], path: Path, evaluations: list[dict[str, Any]] | None = None
+) -> Path | None:
+    """loss.png: the training loss against the step, and the held-out scores against training time.
+
+    None: no step was logged.
+    """
     if not curve:
         return None
     import matplotlib
@@ -62,10 +89,25 @@ def plot(curve: list[dict[str, float]], path: Path) -> Path | None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, axes = plt.subplots(
+        1, 2 if evaluations else 1, figsize=(12 if evaluations else 7, 4), squeeze=False
+    )
+    axis = axes[0][0]
     axis.plot([entry["step"] for entry in curve], [entry["loss"] for entry in curve])
     axis.set_xlabel("step")
     axis.set_ylabel("training loss")
+    if evaluations:
+        held_out = axes[0][1]
+        for name in evaluations[0]["scores"]:
+            held_out.plot(
+                [entry["seconds"] for entry in evaluations],
+                [entry["scores"].get(name, float("nan")) for entry in evaluations],
+                marker="o",
+                label=name,
+            )
+        held_out.set_xlabel("training time (s)")
+        held_out.set_ylabel("held-out score")
+        held_out.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -80,5 +122,5 @@ def write(result: Any, folder: Path) -> dict[str, Path]:
         FILES,
         data,
         markdown(result, data["environment"]),
-        plot=lambda path: plot(result.loss_curve, path),
+        plot=lambda path: plot(result.loss_curve, path, result.evaluations),
     )

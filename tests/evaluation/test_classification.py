@@ -4,9 +4,9 @@ import helpers
 import pytest
 
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation.kinds import ScoreSettings
-from bert_cluster.evaluation.kinds.classification import CLASSIFICATION, label_mapping
-from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.tasks.config import get_tasks
+from bert_cluster.tasks.kinds import ScoreSettings
+from bert_cluster.tasks.kinds.classification import CLASSIFICATION, label_mapping
 
 RTE = get_tasks("rte")[0]
 STSB = get_tasks("stsb")[0]
@@ -90,7 +90,7 @@ README_SCORES = {
 
 
 @pytest.mark.data
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real checkpoint on its whole GLUE dev set, unmodified and clustered")
 @pytest.mark.parametrize("name", sorted(README_SCORES))
 def test_real_checkpoints_reproduce_the_readme_scores(shared_dir, built_models, name):
     spec = get_tasks(name)[0]

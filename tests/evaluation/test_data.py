@@ -8,11 +8,11 @@ import json
 import pytest
 
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation import data
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds.classification import CLASSIFICATION
-from bert_cluster.evaluation.kinds.squad import SQUAD
-from bert_cluster.evaluation.tasks import get_tasks, parse_task
+from bert_cluster.tasks import data
+from bert_cluster.tasks.config import get_tasks, parse_task
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds.classification import CLASSIFICATION
+from bert_cluster.tasks.kinds.squad import SQUAD
 
 
 def task(name):

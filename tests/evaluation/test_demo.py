@@ -135,6 +135,9 @@ def _check(results, independent) -> None:
     assert results["stsb-embedding"].examples == PAIRS
 
 
+@pytest.mark.slow(
+    reason="the demo's three tasks on a slice, unmodified and C=25, and a scoring by sentence-transformers"
+)
 def test_demo_end_to_end_through_the_api(mini_data, minilm_dir, tmp_path):
     results = bert_cluster.evaluate(data_dir=mini_data, max_length=MAX_LENGTH, output=tmp_path / "out")
     _check(results, _independent_scores(minilm_dir, mini_data))
@@ -149,6 +152,7 @@ def test_demo_end_to_end_through_the_api(mini_data, minilm_dir, tmp_path):
     assert (tmp_path / "out" / "results.md").read_text(encoding="utf-8").count("squad-retrieval-sample") >= 1
 
 
+@pytest.mark.slow(reason="the demo's three tasks on a slice through the CLI, unmodified and C=25")
 def test_demo_end_to_end_through_the_cli(mini_data, tmp_path):
     from typer.testing import CliRunner
 
@@ -204,7 +208,9 @@ def test_the_committed_demo_run_is_the_embedded_default():
     assert set(demo_figures()) == set(PATCHED_TOLERANCE)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="the whole demo: 1,500 pairs, 1,692 questions, 8 articles at 8,192 tokens, unmodified and C=25"
+)
 def test_the_whole_demo_reproduces_its_committed_figures(tmp_path):
     """What `bert-cluster evaluate` runs (the demo's 3 minutes of evaluation): unmodified and C=25."""
     results = bert_cluster.evaluate(output=tmp_path)

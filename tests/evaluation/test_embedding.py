@@ -15,10 +15,10 @@ import torch
 import bert_cluster
 from bert_cluster.datafiles import PACKAGE_DATA
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import KINDS, ScoreSettings, get_kind
-from bert_cluster.evaluation.kinds import embedding as E
-from bert_cluster.evaluation.tasks import get_tasks, load_tasks
+from bert_cluster.tasks.config import get_tasks, load_tasks
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import KINDS, ScoreSettings, get_kind
+from bert_cluster.tasks.kinds import embedding as E
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCES = [
@@ -94,7 +94,7 @@ def test_metric_names_are_checked_against_the_kind():
         (("recall@0",), "unknown metric"),
         ((), "no metrics"),
     ):
-        from bert_cluster.evaluation.tasks import MetricSpec
+        from bert_cluster.tasks.config import MetricSpec
 
         bad = dataclasses.replace(task, metrics=tuple(MetricSpec(m, m) for m in metrics))
         with pytest.raises(UserError, match=message):
@@ -260,7 +260,7 @@ def test_the_retrieval_sample_keeps_whole_articles_spread_over_the_set():
     assert [data.passage_ids[g] for g in data.gold] == [full.passage_ids[full.gold[i]] for i in asked]
     assert sample.count == len(asked) == 1692 and sample.notes["corpus"] == 242
     # Half of the articles the embedded default's long-document sample reads as whole documents.
-    from bert_cluster.evaluation.kinds import long_retrieval as L
+    from bert_cluster.tasks.kinds import long_retrieval as L
 
     rows = load_rows(tasks["squad-articles"], None).rows
     assert L.select(L.articles_from_rows(rows, "question", "context"), 8).titles[::2] == kept

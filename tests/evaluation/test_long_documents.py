@@ -20,9 +20,9 @@ from bert_cluster.checkpoints import max_positions
 from bert_cluster.datafiles import PACKAGE_DATA
 from bert_cluster.errors import UserError
 from bert_cluster.evaluation import default_run, load_tasks
-from bert_cluster.evaluation.kinds import Examples, LoadedModel, ScoreSettings, get_kind
-from bert_cluster.evaluation.kinds import long_retrieval as L
-from bert_cluster.evaluation.proxy import long_position_proxy
+from bert_cluster.tasks.kinds import Examples, LoadedModel, ScoreSettings, get_kind
+from bert_cluster.tasks.kinds import long_retrieval as L
+from bert_cluster.tasks.proxy import long_position_proxy
 
 PACKAGED = PACKAGE_DATA / "squad_v1_dev_retrieval.json.gz"
 
@@ -194,7 +194,7 @@ def test_bad_task_options_are_one_clear_error(options, message):
 def test_unknown_metric_names_are_refused():
     import dataclasses
 
-    from bert_cluster.evaluation.tasks import MetricSpec
+    from bert_cluster.tasks.config import MetricSpec
 
     task = dataclasses.replace(_task(), metrics=(MetricSpec("recall@1", "R@1"), MetricSpec("hits@3", "H")))
     with pytest.raises(UserError, match=r"unknown metric\(s\) \['hits@3'\]"):
@@ -233,7 +233,7 @@ def _whitespace_tokenizer(vectors):
 def _hand_made_score(vectors, articles, metrics=None, **settings):
     import dataclasses
 
-    from bert_cluster.evaluation.tasks import MetricSpec
+    from bert_cluster.tasks.config import MetricSpec
 
     task = _task()
     if metrics is not None:
@@ -544,6 +544,9 @@ def minilm_16k(shared_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("max_length", "recall_at_1"),
     [pytest.param(512, 70.0, id="512"), pytest.param(2048, 72.9, id="2048", marks=pytest.mark.slow)],
+)
+@pytest.mark.slow(
+    reason="the 16k proxy: 500 questions over 8 articles at up to 2,048 tokens, against its reference"
 )
 def test_minilm_16k_reproduces_the_reference_recall(minilm_16k, max_length, recall_at_1):
     """Every 10th question (1,057), exact SDPA attention, documents one at a time (shared/models/README.md).

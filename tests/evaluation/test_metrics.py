@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bert_cluster.evaluation.metrics import exact_match, glue_metric, normalize_answer, squad_scores, token_f1
+from bert_cluster.tasks.metrics import exact_match, glue_metric, normalize_answer, squad_scores, token_f1
 
 
 def test_accuracy_and_positive_class_f1():

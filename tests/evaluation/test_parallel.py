@@ -93,7 +93,7 @@ def _evaluate(bench: Path, output: Path, launcher: list[str]) -> dict:
     return json.loads((output / "results.json").read_text(encoding="utf-8"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real checkpoint scored by one process and by two")
 def test_two_processes_score_exactly_like_one(bench, tmp_path):
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
     one = _evaluate(bench, tmp_path / "one", [sys.executable])

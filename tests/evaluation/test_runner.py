@@ -9,9 +9,9 @@ import pytest
 from bert_cluster.config import ClusteredAttentionConfig
 from bert_cluster.errors import UserError, parse_clusters
 from bert_cluster.evaluation import Results, RunInterrupted, TaskSession, evaluate
-from bert_cluster.evaluation.kinds import KINDS, Examples, LoadedModel
 from bert_cluster.evaluation.runner import parse_seeds
-from bert_cluster.evaluation.tasks import get_tasks, parse_task
+from bert_cluster.tasks.config import get_tasks, parse_task
+from bert_cluster.tasks.kinds import KINDS, Examples, LoadedModel
 
 
 class SpyKind:
@@ -274,7 +274,7 @@ def test_model_path_placeholder_and_missing_data(tiny_cls, tmp_path):
 def test_a_broken_task_file_blocks_no_other_task(tmp_path, monkeypatch, tiny_cls, tiny_rte):
     import shutil
 
-    from bert_cluster.evaluation.tasks import config_root
+    from bert_cluster.tasks.config import config_root
 
     configs = tmp_path / "configs"
     shutil.copytree(config_root() / "tasks", configs / "tasks")

@@ -3,10 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bert_cluster.evaluation.kinds import ScoreSettings
-from bert_cluster.evaluation.kinds.squad import SQUAD, Window, decode_answers, make_windows
-from bert_cluster.evaluation.metrics import squad_scores
-from bert_cluster.evaluation.tasks import get_tasks
+from bert_cluster.tasks.config import get_tasks
+from bert_cluster.tasks.kinds import ScoreSettings
+from bert_cluster.tasks.kinds.squad import SQUAD, Window, decode_answers, make_windows
+from bert_cluster.tasks.metrics import squad_scores
 
 
 def oracle_logits(window: Window, context: str, answer: str | None, answer_start: int | None):
@@ -53,7 +53,7 @@ def oracle_scores(tokenizer, rows, version_2, max_length, stride):
 def test_oracle_logits_give_full_marks(shared_dir, minilm_dir, version_2):
     from transformers import AutoTokenizer
 
-    from bert_cluster.evaluation.data import load_rows
+    from bert_cluster.tasks.data import load_rows
 
     rows = load_rows(get_tasks("squad_v2" if version_2 else "squad")[0], shared_dir / "data" / "squad").rows
     # Questions whose first gold answer fits the length rule, from several articles; short windows so
@@ -134,7 +134,7 @@ def test_tiny_qa_model_runs_through_the_kind(tiny_qa, tmp_path):
 # ../shared/models/README.md: EM 49.34, F1 62.57 on the 4,874 held-out questions. The full set takes
 # minutes on 2 CPU cores; the first 300 questions were measured with this runner at EM 59.33, F1 69.42.
 @pytest.mark.data
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real SQuAD checkpoint on 300 dev windows of 384 tokens, unmodified and clustered")
 def test_real_squad_checkpoint_subset(shared_dir, built_models):
     task = get_tasks("squad")[0]
     examples = SQUAD.load_examples(task, shared_dir / "models" / "minilm-l6-squad" / "eval", 300)

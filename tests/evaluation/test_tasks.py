@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 
 from bert_cluster.errors import UserError
-from bert_cluster.evaluation.kinds import get_kind
-from bert_cluster.evaluation.tasks import (
+from bert_cluster.tasks.config import (
     get_tasks,
     load_catalog,
     load_task_file,
@@ -12,6 +11,7 @@ from bert_cluster.evaluation.tasks import (
     parse_task,
     task_files,
 )
+from bert_cluster.tasks.kinds import get_kind
 
 GLUE = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "mnli_mismatched", "qnli", "rte", "wnli")
 

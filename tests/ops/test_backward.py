@@ -488,6 +488,7 @@ def test_two_backward_passes_give_the_same_bits(backend: str, device: str, mode:
         )
 
 
+@pytest.mark.slow(reason="gradcheck in float64 of every reference step: one forward per input element")
 def test_reference_steps_pass_gradcheck_in_float64() -> None:
     torch.manual_seed(0)
     rows, heads, n, dim, clusters, topk, scaling = 2, 2, 12, 4, 3, 4, 0.5

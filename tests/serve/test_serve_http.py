@@ -97,6 +97,9 @@ def two_workers(servers) -> Server:
 # The module's first test: the servers start beside it, so its time (7 s alone at a load of 5 on 2 cores,
 # 41 s beside the servers' start at a load of 8) is mostly theirs.
 @pytest.mark.usefixtures("launched")
+@pytest.mark.slow(
+    reason="starts the module's shared servers beside its refused one (each imports torch and transformers)"
+)
 def test_a_contradictory_start_is_refused_with_one_line_and_exit_2(tiny_encoder):
     result = subprocess.run(
         [sys.executable, "-m", "bert_cluster", "serve", str(tiny_encoder), "--max-batch-tokens", "100"],

@@ -14,14 +14,15 @@ import csv
 import dataclasses
 import glob
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bert_cluster import environment
 from bert_cluster.datafiles import PACKAGE_DATA, load_dataset
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.tasks import DataSpec, LocalFile, TaskConfig, get_tasks
+from bert_cluster.tasks.config import DataSpec, LocalFile, TaskConfig, get_tasks
 
 #: The splits a task may have: ``dev`` (its ``data:``, what evaluation scores) and ``train`` (its
 #: ``train:``, what ``finetune`` trains on).
@@ -70,14 +71,28 @@ def split_data(task: TaskConfig, split: str = "dev") -> DataSpec:
 def candidates(task: TaskConfig, folders: Sequence[Path], split: str = "dev") -> list[tuple[str, LocalFile]]:
     """Every path pattern looked at, in search order, with the file spec it belongs to."""
     files = split_data(task, split).files
+    installed = [spec for spec in files if spec.format == "package-source"]
     patterns = [
         (str(folder / prefix / spec.path), spec)
         for folder in folders
         for spec in files
-        if not spec.packaged
+        if not spec.packaged and spec not in installed
         for prefix in ("", "*")
     ]
-    return patterns + [(str(PACKAGE_DATA / spec.path), spec) for spec in files if spec.packaged]
+    packaged = [(str(PACKAGE_DATA / spec.path), spec) for spec in files if spec.packaged]
+    return patterns + packaged + [(_package_folder(spec.path), spec) for spec in installed]
+
+
+def _package_folder(name: str) -> str:
+    """The folder of the installed Python package ``name`` (a path that does not exist if it is not)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    return locations[0] if locations else f"<package {name} is not installed>"
 
 
 def find_local(
@@ -87,7 +102,7 @@ def find_local(
     for pattern, spec in candidates(task, folders, split):
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for match in matches:
-            if os.path.isfile(match):
+            if os.path.isfile(match) or (spec.format == "package-source" and os.path.isdir(match)):
                 return Path(match), spec
     return None
 
@@ -156,11 +171,21 @@ def _squad_rows(articles: Any, path: Path, chosen: tuple[int, int] | None = None
     return rows
 
 
-def _retrieval_rows(path: Path) -> list[dict[str, Any]]:
-    """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows."""
+def _retrieval_rows(path: Path, chosen: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """The packaged retrieval file (paragraphs, questions with their paragraph id) as flat QA rows.
+
+    ``chosen``: only articles first..last (1-based, inclusive, in the file's order of paragraphs).
+    """
     paragraphs = load_dataset("json", data_files=str(path), field="paragraphs", split="train")
     questions = load_dataset("json", data_files=str(path), field="questions", split="train")
     context = dict(zip(paragraphs["id"], paragraphs["context"], strict=True))
+    if chosen is not None:
+        titles = list(dict.fromkeys(paragraph.rsplit("/", 1)[0] for paragraph in paragraphs["id"]))
+        first, last = chosen
+        if last > len(titles):
+            raise UserError(f"{path} has {len(titles)} articles; the task asks for articles {first}-{last}")
+        kept = set(titles[first - 1 : last])
+        questions = [row for row in questions if row["paragraph"].rsplit("/", 1)[0] in kept]
     return [
         {
             "id": row["id"],
@@ -170,6 +195,27 @@ def _retrieval_rows(path: Path) -> list[dict[str, Any]]:
             "question": row["question"],
         }
         for row in questions
+    ]
+
+
+def _source_rows(folder: Path, spec: LocalFile) -> list[dict[str, Any]]:
+    """Every ``.py`` file of an installed package, one row each (``path`` inside the package, ``text``).
+
+    Raises:
+        UserError: another version of the package is installed than the task pins.
+    """
+    from importlib import metadata
+
+    if spec.version is not None:
+        installed = metadata.version(spec.path)
+        if installed != spec.version:
+            raise UserError(
+                f"the task reads {spec.path} {spec.version}'s source files; {installed} is installed "
+                f"(pip install {spec.path}=={spec.version})"
+            )
+    return [
+        {"path": str(file.relative_to(folder)), "text": file.read_text(encoding="utf-8", errors="replace")}
+        for file in sorted(folder.rglob("*.py"))
     ]
 
 
@@ -200,11 +246,13 @@ def read_file(path: Path, task: TaskConfig, spec: LocalFile) -> list[dict[str, A
             dataset = load_dataset("parquet", data_files=str(path), split="train")
         elif spec.format in ("json", "jsonl"):
             dataset = load_dataset("json", data_files=str(path), split="train")
+        elif spec.format == "package-source":
+            return _source_rows(path, spec)
         elif spec.format == "squad-json":
             data = load_dataset("json", data_files=str(path), field="data", split="train")
             return _squad_rows(data, path, spec.articles)
         else:  # retrieval-json; tasks.py allows nothing else
-            return _retrieval_rows(path)
+            return _retrieval_rows(path, spec.articles)
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001 - a malformed file: say which, in one line
@@ -256,6 +304,50 @@ def load_rows(
     if not rows.rows:
         raise UserError(f"task {task.name}: {rows.source} holds no examples")
     return rows
+
+
+def locator(task: TaskConfig, data_dir: Any, source: str, count: int) -> Callable[[int, dict[str, Any]], str]:
+    """Where each of the ``count`` train rows ``load_rows`` read from ``source`` is, for messages.
+
+    A line of a TSV/CSV file, a question id of a SQuAD file, else a row number (from 1).
+    """
+    found = find_local(task, data_dirs(data_dir), split="train")
+    if found is None or str(found[0].resolve()) != source:  # the hub
+        return lambda index, row: f"{source} row {index + 1}"
+    path, spec = found
+    if spec.format == "squad-json":
+        return lambda index, row: f"{path} question {row.get('id')!r}"
+    if spec.format not in ("tsv", "csv"):
+        return lambda index, row: f"{path} row {index + 1}"
+    lines: list[int] = []
+
+    def where(index: int, row: dict[str, Any]) -> str:
+        if not lines:
+            lines.extend(_row_lines(path, spec))
+        if len(lines) != count:  # read otherwise than pandas did: say the row, not a wrong line
+            return f"{path} row {index + 1}"
+        return f"{path} line {lines[index]}"
+
+    return where
+
+
+def _row_lines(path: Path, spec: LocalFile) -> list[int]:
+    """The line each row of a TSV/CSV file starts on, as pandas reads it (blank lines skipped)."""
+    quoting = csv.QUOTE_MINIMAL if spec.quoting else csv.QUOTE_NONE
+    limit = csv.field_size_limit(sys.maxsize)
+    starts, start = [], 1
+    try:
+        with open(path, encoding=spec.encoding, newline="") as handle:
+            reader = csv.reader(handle, delimiter="\t" if spec.format == "tsv" else ",", quoting=quoting)
+            for cells in reader:
+                if cells:
+                    starts.append(start)
+                start = reader.line_num + 1
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+    finally:
+        csv.field_size_limit(limit)
+    return starts[1:] if spec.header else starts
 
 
 def load_task_texts(

@@ -21,8 +21,8 @@ import torch
 
 from bert_cluster.checkpoints import load_sentence_encoder, max_positions
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
     LoadedModel,
     Progress,

@@ -9,40 +9,61 @@ encoded like the other embedding kinds' texts (``SentenceTransformer.encode``: t
 pooling and normalisation, mean pooling for a plain transformers folder), in the runner's timed batches.
 
 With ``options.long_position_proxy: N`` the task scores an *untrained* proxy of the model whose position
-table is copied to N rows (``bert_cluster.evaluation.proxy``); every report says so.
+table is copied to N rows (``bert_cluster.tasks.proxy``); every report says so.
+
+Trained (``finetune``, loss ``contrastive`` or ``contrastive-bank``; ``configs/tasks/long/
+squad_articles_train.yaml``): a step embeds ``batch_size`` articles, no article twice, and
+``options.questions_per_article`` (16) questions of each, so that one article embedding, the costly part
+of a step, trains 16 questions instead of one (with one, the loss was 0.002 within a few steps and the
+held-out score never moved). Each question is scored against the step's articles (in-batch negatives;
+at one question per article this is sentence-transformers' MultipleNegativesRankingLoss), and with
+``contrastive-bank`` also against the other training articles' last embeddings. Through
+sentence-transformers' own Trainer (its batch sampler with no duplicates, its checkpoints).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bert_cluster.checkpoints import resolve_model
+from bert_cluster.checkpoints import load_sentence_encoder, max_positions, resolve_model
 from bert_cluster.datafiles import PARAGRAPH_SEPARATOR, join_paragraphs
 from bert_cluster.errors import UserError, one_line
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
     LoadedModel,
+    Locator,
     Progress,
     ScoreSettings,
+    TrainingModel,
+    check_each_row,
     check_metrics,
+    check_text,
     positive_option,
     register_kind,
 )
-from bert_cluster.evaluation.kinds.embedding import (
+from bert_cluster.tasks.kinds.embedding import (
     RETRIEVAL_METRIC,
     RetrievalSet,
     _EmbeddingKind,
     _two_text_fields,
     retrieval_scores,
     spread,
+    transformer_of,
 )
 
 #: Task options this kind reads (see ``configs/tasks/long/squad_articles.yaml``).
-OPTIONS = ("documents", "questions", "document_batch_size", "long_position_proxy")
+OPTIONS = ("documents", "questions", "document_batch_size", "long_position_proxy", "questions_per_article")
+#: Articles are cut at this many characters per token of the training length before tokenising (a
+#: WordPiece token of English text averages about 4 characters): the tokenizer would otherwise encode each
+#: whole article, up to 17.5k tokens, to keep the first 4,096, which made up a third of a short run.
+CHARACTERS_PER_TOKEN = 12
+#: The loss's scale of the cosine similarities (sentence-transformers' MultipleNegativesRankingLoss's).
+SCALE = 20.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,7 +139,7 @@ def articles_from_paragraphs(
 def articles_from_rows(rows: Iterable[Mapping[str, Any]], question: str, context: str) -> Articles:
     """Articles from flat SQuAD rows (``title``, the question and context fields; ``passage_id`` if any).
 
-    Every reader of ``bert_cluster.evaluation.data`` gives such rows: the official SQuAD JSON, the packaged
+    Every reader of ``bert_cluster.tasks.data`` gives such rows: the official SQuAD JSON, the packaged
     retrieval file (whose rows carry ``passage_id`` = ``<title>/<n>``) and the hub's ``rajpurkar/squad``.
     Without a ``passage_id``, a title's paragraphs are numbered in order of first appearance.
     """
@@ -184,12 +205,43 @@ def task_options(task: Any) -> dict[str, Any]:
         raise UserError(
             f"task {task.name}: unknown option(s) {unknown} for kind {task.kind}; allowed: {sorted(OPTIONS)}"
         )
+    defaults = {"document_batch_size": 1, "questions_per_article": 16}
     return {
-        key: positive_option(
-            task, f"options.{key}", task.options.get(key), 1 if key == "document_batch_size" else None
-        )
+        key: positive_option(task, f"options.{key}", task.options.get(key), defaults.get(key))
         for key in OPTIONS
     }
+
+
+def cut_articles(
+    rows: Iterable[Mapping[str, Any]], task: Any, max_length: int, what: str = "training"
+) -> Articles:
+    """The articles of a split's rows, each cut at ``max_length`` tokens' worth of characters.
+
+    ``CHARACTERS_PER_TOKEN`` per token, as training cuts them (before tokenising).
+
+    Raises:
+        UserError: the rows do not rebuild into articles.
+    """
+    try:
+        articles = articles_from_rows(rows, *task.text_fields)
+    except (KeyError, ValueError) as error:
+        raise UserError(f"task {task.name}: cannot rebuild the {what} articles ({one_line(error)})") from None
+    cut = [document[: CHARACTERS_PER_TOKEN * max_length] for document in articles.documents]
+    return dataclasses.replace(articles, documents=cut)
+
+
+def split_articles(
+    task: Any, split: str, max_length: int, data_dir: Sequence[str | Path] | None = None
+) -> Articles:
+    """A split's articles, cut as training cuts them: the recipe's data as a benchmark reads it.
+
+    ``split``: ``train`` (what ``finetune`` trains on) or ``dev`` (the held-out split it scores).
+
+    Raises:
+        UserError: the split's rows are missing or do not rebuild into articles.
+    """
+    what = "training" if split == "train" else "held-out"
+    return cut_articles(load_rows(task, data_dir, split=split).rows, task, max_length, what)
 
 
 def proxy_label(positions: int) -> str:
@@ -197,10 +249,87 @@ def proxy_label(positions: int) -> str:
     return f"an UNTRAINED proxy with positions copied to {positions:,} (p mod its original table)"
 
 
+def article_rows(pairs: Sequence[tuple[str, str]], questions_per_article: int, seed: int) -> dict[str, Any]:
+    """Training rows of ``questions_per_article`` questions of one article and the article.
+
+    Articles interleaved in a seeded order: one article's embedding (the costly part of a step) then
+    serves that many questions instead of one. An article's last row is filled from its own shuffled
+    questions again. Returns the columns (``question_0``.., ``article``, ``label``: the article's index)
+    and the ``documents`` in index order.
+    """
+    by_article: dict[str, list[str]] = {}
+    for question, document in pairs:
+        by_article.setdefault(document, []).append(question)
+    documents = list(by_article)
+    generator = random.Random(seed)
+    rows: list[tuple[list[str], str, int]] = []
+    for index, document in enumerate(documents):
+        questions = by_article[document][:]
+        generator.shuffle(questions)
+        for start in range(0, len(questions), questions_per_article):
+            chunk = questions[start : start + questions_per_article]
+            chunk += questions[: questions_per_article - len(chunk)]
+            rows.append((chunk, document, index))
+    generator.shuffle(rows)
+    columns: dict[str, list[Any]] = {
+        f"question_{j}": [row[0][j] for row in rows] for j in range(questions_per_article)
+    }
+    columns["article"] = [row[1] for row in rows]
+    columns["label"] = [row[2] for row in rows]
+    return {"columns": columns, "documents": documents}
+
+
+def article_retrieval_loss(model: Any, documents: Sequence[str], bank: bool, scale: float = SCALE) -> Any:
+    """Each question against the batch's articles, and with ``bank`` against every training article.
+
+    In-batch negatives with sentence-transformers' scaled cosine and cross-entropy; the bank holds the
+    last embedding of every other training article (no gradient through those): the held-out task is a
+    choice among 24 articles, while 3 in-batch negatives gave a loss of 0.08 from the first step and
+    little to learn from.
+    """
+    import torch
+    from torch.nn.functional import cross_entropy, normalize
+
+    class ArticleRetrievalLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.bank: torch.Tensor | None = None
+
+        def _fill_bank(self) -> torch.Tensor:
+            """The training articles' embeddings before the first step (counted as training time)."""
+            with torch.no_grad():
+                rows = [self.embed(self.model.preprocess([document])) for document in documents]
+            return torch.cat(rows).detach()
+
+        def embed(self, features: Any) -> torch.Tensor:
+            return normalize(self.model(features)["sentence_embedding"].float(), dim=-1)
+
+        def forward(self, sentence_features: Any, labels: torch.Tensor) -> torch.Tensor:
+            *question_columns, article_column = list(sentence_features)
+            articles = self.embed(article_column)
+            questions = torch.cat([self.embed(column) for column in question_columns])
+            targets = torch.arange(len(articles)).repeat(len(question_columns))
+            candidates = articles
+            if bank:
+                if self.bank is None:
+                    self.bank = self._fill_bank()
+                others = torch.ones(len(self.bank), dtype=torch.bool)
+                others[labels] = False
+                candidates = torch.cat([articles, self.bank[others]])
+                self.bank[labels] = articles.detach()
+            return cross_entropy(scale * questions @ candidates.T, targets)
+
+    return ArticleRetrievalLoss()
+
+
 class LongRetrievalKind(_EmbeddingKind):
     """Article retrieval over whole documents: one embedding per article, questions as queries."""
 
     name = "long-retrieval"
+    losses = ("contrastive", "contrastive-bank")
+    lora = False  # every weight (as the recipe was measured); LoRA's peft does not wrap a SentenceTransformer
+    distillable = False
 
     def check(self, task: Any) -> None:
         """Two text fields (question, context), known positive-int options, retrieval metric names."""
@@ -220,7 +349,7 @@ class LongRetrievalKind(_EmbeddingKind):
         With ``options.long_position_proxy: N`` the model is an untrained proxy of ``model`` (a local
         checkpoint folder or ``package:NAME``) with its positions copied to N, built once into the cache.
         """
-        from bert_cluster.evaluation.proxy import long_position_proxy
+        from bert_cluster.tasks.proxy import long_position_proxy
 
         positions = task_options(task)["long_position_proxy"]
         notes = {}
@@ -303,6 +432,81 @@ class LongRetrievalKind(_EmbeddingKind):
             "documents_time_s": documents_time,
             "queries_time_s": timing.seconds - began - documents_time,
         }
+
+    # ---------------------------------------------------------------------------------- training
+
+    def check_training(self, task: Any) -> None:
+        """Nothing beyond ``check``: the articles are the labels."""
+
+    def training_model(
+        self, source: str, task: Any, overrides: Mapping[str, Any] | None = None
+    ) -> TrainingModel:
+        """A ``SentenceTransformer`` (a plain transformers folder gets mean pooling).
+
+        ``overrides``: model config settings (the attention dropout) to load it with.
+        """
+        encoder, path = load_sentence_encoder(source, "cpu", overrides)
+        return TrainingModel(encoder, encoder.tokenizer, path, patched=transformer_of(encoder))
+
+    def scoring_model(self, trained: TrainingModel) -> LoadedModel:
+        """The model in training as ``score`` takes it (the held-out split at the marks)."""
+        return LoadedModel(
+            model=trained.model,
+            tokenizer=trained.tokenizer,
+            patched=trained.target,
+            max_positions=max_positions(trained.target.config),
+            extra={"own_max_length": trained.model.max_seq_length, "notes": {}},
+        )
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], task: Any, where: Locator) -> None:
+        """A question and its context (a paragraph of the article) in every row."""
+
+        def check(row: dict[str, Any]) -> None:
+            for field in task.text_fields:
+                check_text(row.get(field), field)
+
+        check_each_row(rows, where, check)
+
+    def training_features(self, rows: Sequence[dict[str, Any]], task: Any, trained: TrainingModel) -> Any:
+        """Rows of ``questions_per_article`` questions and their article (cut before tokenising)."""
+        from datasets import Dataset
+
+        max_length = trained.max_length
+        articles = cut_articles(rows, task, max_length)
+        pairs = [
+            (question, articles.documents[gold])
+            for question, gold in zip(articles.questions, articles.gold, strict=True)
+        ]
+        made = article_rows(pairs, task_options(task)["questions_per_article"], trained.seed)
+        trained.model.max_seq_length = max_length
+        trained.extra["documents"] = made["documents"]
+        trained.extra["bank"] = task.train.loss == "contrastive-bank"
+        return Dataset.from_dict(made["columns"])
+
+    def trainer(self, trained: TrainingModel, features: Any, setup: dict[str, Any]) -> Any:
+        """sentence-transformers' Trainer: no article twice in a batch, the task's contrastive loss."""
+        from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+        from sentence_transformers.sentence_transformer.training_args import BatchSamplers
+
+        class Trainer(SentenceTransformerTrainer):
+            def add_model_card_callback(self, *args: Any, **kwargs: Any) -> None:
+                """No model card: its dataset statistics tokenise every article again (half a short run)."""
+
+        return Trainer(
+            model=trained.model,
+            args=SentenceTransformerTrainingArguments(
+                **setup["arguments"], batch_sampler=BatchSamplers.NO_DUPLICATES
+            ),
+            train_dataset=features,
+            loss=article_retrieval_loss(
+                trained.model, trained.extra["documents"], bank=trained.extra["bank"]
+            ),
+            callbacks=setup["callbacks"],
+        )
+
+    def save(self, model: Any, tokenizer: Any, output: Path) -> None:
+        """The SentenceTransformer folder (its modules, pooling included), which ``evaluate`` loads."""
+        model.save(str(output))
 
 
 LONG_RETRIEVAL = register_kind(LongRetrievalKind())

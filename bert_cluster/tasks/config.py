@@ -23,8 +23,10 @@ from bert_cluster import environment
 from bert_cluster.errors import UserError, one_line
 
 #: Local file formats ``data.py`` reads (each through ``datasets.load_dataset``): TSV/CSV, parquet, JSON
-#: lines or a JSON list, the official SQuAD JSON, and the packaged retrieval JSON (paragraphs + questions).
-FILE_FORMATS = ("tsv", "csv", "parquet", "json", "jsonl", "squad-json", "retrieval-json")
+#: lines or a JSON list, the official SQuAD JSON, the packaged retrieval JSON (paragraphs + questions), and
+#: the ``.py`` source files of an installed Python package (``path``: its import name; ``version``: the
+#: version pinned, refused if another is installed), one row per file (``path``, ``text``).
+FILE_FORMATS = ("tsv", "csv", "parquet", "json", "jsonl", "squad-json", "retrieval-json", "package-source")
 
 _TOP_KEYS = {
     "name",
@@ -45,11 +47,13 @@ _TOP_KEYS = {
 }
 _DATA_KEYS = {"hub", "files"}
 _TRAIN_KEYS = {"hub", "files", "loss"}
-#: The losses a ``train:`` split may name: what the model's own head computes from the labels
-#: (``bert-cluster finetune``): classes, a regression score, a SQuAD answer span.
-TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy")
+#: The losses a ``train:`` split may name (``bert-cluster finetune``): what the model's own head computes
+#: from the labels (classes, a regression score, a SQuAD answer span); a question against the articles
+#: (long-document retrieval: in-batch negatives, or also a bank of every training article); the masked
+#: tokens (masked-LM pretraining).
+TRAIN_LOSSES = ("cross-entropy", "mse", "span-cross-entropy", "contrastive", "contrastive-bank", "masked-lm")
 _HUB_KEYS = {"path", "name", "split"}
-_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles"}
+_FILE_KEYS = {"path", "format", "header", "columns", "quoting", "encoding", "packaged", "articles", "version"}
 
 
 def config_root() -> Path:
@@ -86,8 +90,10 @@ class LocalFile:
         quoting: honour double quotes in TSV/CSV (GLUE's sentence files need this off).
         encoding: text encoding (``utf-8-sig`` drops MRPC's byte-order mark).
         packaged: the file ships in ``bert_cluster/data`` (searched after the user's data folders).
-        articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` file
-            (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint was trained).
+        articles: ``(first, last)``, 1-based and inclusive: only these articles of a ``squad-json`` or
+            ``retrieval-json`` file (a split of SQuAD dev by article, as the ``minilm-l6-squad`` checkpoint
+            was trained).
+        version: a ``package-source`` file's pinned package version.
     """
 
     path: str
@@ -98,6 +104,7 @@ class LocalFile:
     encoding: str = "utf-8-sig"
     packaged: bool = False
     articles: tuple[int, int] | None = None
+    version: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,20 +187,31 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def read_mapping(path: Path, what: str, empty: bool = False) -> dict[str, Any]:
+    """A YAML file holding one mapping: a task file, or the default run beside them (``empty``: may be empty).
+
+    Raises:
+        UserError: the file is unreadable, not YAML, or not a mapping (``what`` names it in the message).
+    """
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
+    if raw is None and empty:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{path}: {what} must be a mapping, got {type(raw).__name__}")
+    return dict(raw)
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read ``path`` and resolve its ``include:`` chain."""
     path = path.resolve()
     if path in seen:
         raise UserError(f"{path}: include cycle through {[str(p) for p in seen]}")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise UserError(f"cannot read task file {path}: {error.strerror or error}") from None
-    except yaml.YAMLError as error:
-        raise UserError(f"{path}: not valid YAML: {one_line(error)}") from None
-    if not isinstance(raw, Mapping):
-        raise UserError(f"{path}: a task file must be a mapping, got {type(raw).__name__}")
-    raw = dict(raw)
+    raw = read_mapping(path, "a task file")
     include = raw.pop("include", None)
     if include is None:
         return raw
@@ -229,15 +247,23 @@ def _parse_file(where: str, raw: Any) -> LocalFile:
     if articles is not None:
         _require(
             where,
-            fmt == "squad-json"
+            fmt in ("squad-json", "retrieval-json")
             and isinstance(articles, list)
             and len(articles) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) for n in articles)
             and 1 <= articles[0] <= articles[1],
-            f"articles must be [first, last] (1-based, first <= last) of a squad-json file, got {articles!r}",
+            "articles must be [first, last] (1-based, first <= last) of a squad-json or retrieval-json "
+            f"file, got {articles!r}",
         )
         articles = (articles[0], articles[1])
+    version = raw.get("version")
+    _require(
+        where,
+        version is None or (fmt == "package-source" and isinstance(version, str)),
+        f"version (a string) belongs to a package-source file, got {version!r}",
+    )
     return LocalFile(
+        version=version,
         path=raw["path"],
         format=fmt,
         header=raw.get("header", True),

@@ -20,21 +20,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from bert_cluster.checkpoints import load_with_head, max_positions, pad_batch
+from bert_cluster.checkpoints import load_head_checkpoint, load_with_head, max_positions, pad_batch
 from bert_cluster.errors import UserError, positive_int
-from bert_cluster.evaluation.data import load_rows
-from bert_cluster.evaluation.kinds import (
+from bert_cluster.tasks.config import TaskConfig
+from bert_cluster.tasks.data import load_rows
+from bert_cluster.tasks.kinds import (
     Examples,
+    HeadTraining,
     LoadedModel,
+    Locator,
     Progress,
     ScoreSettings,
+    TrainingModel,
+    check_each_row,
     check_metrics,
     check_options,
+    check_text,
     first_n,
     register_kind,
 )
-from bert_cluster.evaluation.metrics import SQUAD_METRICS, squad_scores
-from bert_cluster.evaluation.tasks import TaskConfig
+from bert_cluster.tasks.metrics import SQUAD_METRICS, squad_scores
 
 _OPTION_DEFAULTS = {"postprocessor": "squad_v1", "doc_stride": 128, "n_best": 20, "max_answer_length": 30}
 
@@ -58,14 +63,39 @@ class Window:
         return out
 
 
+def check_stride(tokenizer: Any, questions: Sequence[str], max_length: int, doc_stride: int) -> None:
+    """Refuse a ``doc_stride`` that leaves a window no new context token.
+
+    A window holds the question, the special tokens and the context; consecutive windows share
+    ``doc_stride`` context tokens, so the stride must be smaller than what the longest question leaves of
+    ``max_length`` (the tokenizer would otherwise abort the process).
+
+    Raises:
+        UserError: saying what the window leaves and what is allowed.
+    """
+    lengths = tokenizer(list(questions), add_special_tokens=False)["input_ids"] if questions else []
+    longest = max(map(len, lengths), default=0)
+    specials = tokenizer.num_special_tokens_to_add(pair=True)
+    room = max_length - longest - specials
+    if doc_stride >= room:
+        raise UserError(
+            f"doc_stride {doc_stride} must be smaller than the context a window holds: max_length "
+            f"{max_length} less the longest question ({longest} tokens) and {specials} special tokens leaves "
+            f"{max(room, 0)}; raise --max-length or lower the task's doc_stride"
+        )
+
+
 def make_windows(
     tokenizer: Any, questions: Sequence[str], contexts: Sequence[str], max_length: int, doc_stride: int
 ) -> list[Window]:
-    """Tokenize question/context pairs into overlapping windows (the context alone is truncated)."""
-    if doc_stride >= max_length:
-        raise UserError(f"doc_stride ({doc_stride}) must be smaller than max_length ({max_length})")
+    """Tokenize question/context pairs into overlapping windows (the context alone is truncated).
+
+    The one place windows are made: ``evaluate`` scores them, ``finetune`` trains on them.
+    """
+    questions = [question.lstrip() for question in questions]
+    check_stride(tokenizer, questions, max_length, doc_stride)
     encoded = tokenizer(
-        [question.lstrip() for question in questions],
+        questions,
         list(contexts),
         truncation="only_second",
         max_length=max_length,
@@ -161,10 +191,20 @@ def squad_options(task: TaskConfig) -> dict[str, Any]:
     return options
 
 
-class SquadKind:
-    """Extractive question answering with a trained ``qa_outputs`` head."""
+#: The head: the class that loads it, its weights' prefixes, its name in messages.
+HEAD = ("AutoModelForQuestionAnswering", ("qa_outputs",), "question-answering")
+
+
+class SquadKind(HeadTraining):
+    """Extractive question answering with a trained ``qa_outputs`` head.
+
+    Trained (``finetune``, loss ``span-cross-entropy``) on the same windows it is scored on, each with the
+    answer's start and end token, or the ``[CLS]`` token where the window does not hold the answer (a
+    question without one, SQuAD v2), as BERT's SQuAD recipe does.
+    """
 
     name = "squad"
+    losses = ("span-cross-entropy",)
 
     def check(self, task: TaskConfig) -> None:
         """Valid options and SQuAD metric names (v2 adds the HasAns / NoAns subsets)."""
@@ -173,10 +213,11 @@ class SquadKind:
 
     def load_model(self, model: str | Path, task: TaskConfig, device: str) -> LoadedModel:
         """Load an ``AutoModelForQuestionAnswering``; refuse one without a trained QA head."""
-        from transformers import AutoModelForQuestionAnswering
+        import transformers
 
+        auto_class, prefixes, head = HEAD
         loaded, tokenizer = load_with_head(
-            model, AutoModelForQuestionAnswering, ("qa_outputs",), "question-answering", task.name, device
+            model, getattr(transformers, auto_class), prefixes, head, task.name, device
         )
         return LoadedModel(model=loaded, tokenizer=tokenizer, max_positions=max_positions(loaded.config))
 
@@ -250,6 +291,75 @@ class SquadKind:
         references: Mapping[str, list[str]] = {item["id"]: item["answers"] for item in items}
         scores = squad_scores(predictions, references, version_2=version_2)
         return {metric: scores[metric] for metric in task.metric_names if metric in scores}
+
+    # ---------------------------------------------------------------------------------- training
+
+    def check_training(self, task: TaskConfig) -> None:
+        """Nothing beyond ``check``: the spans need no labels of the task's."""
+
+    def training_model(
+        self, source: str, task: TaskConfig, overrides: Mapping[str, Any] | None = None
+    ) -> TrainingModel:
+        """The QA model (a fresh ``qa_outputs`` head where the checkpoint has none)."""
+        import transformers
+
+        auto_class, prefixes, _ = HEAD
+        loaded = load_head_checkpoint(source, getattr(transformers, auto_class), prefixes, None, overrides)
+        return TrainingModel(loaded.model, loaded.tokenizer, loaded.source, loaded.has_head, loaded.fresh)
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], task: TaskConfig, where: Locator) -> None:
+        """A question, a context and well-formed answers in every row."""
+
+        def check(row: dict[str, Any]) -> None:
+            for field in ("question", "context"):
+                check_text(row.get(field), field)
+            _check_answers(row.get("answers"))
+
+        check_each_row(rows, where, check)
+
+    def training_features(
+        self, rows: Sequence[dict[str, Any]], task: TaskConfig, trained: TrainingModel
+    ) -> Any:
+        """The task's windows (its ``doc_stride``) with ``start_positions`` / ``end_positions``."""
+        windows = make_windows(
+            trained.tokenizer,
+            [str(row["question"]) for row in rows],
+            [str(row["context"]) for row in rows],
+            trained.max_length,
+            squad_options(task)["doc_stride"],
+        )
+        return [
+            {**window.features(), **answer_positions(window, rows[window.example]["answers"])}
+            for window in windows
+        ]
+
+
+def _check_answers(answers: Any) -> None:
+    texts = answers.get("text") if isinstance(answers, dict) else None
+    starts = answers.get("answer_start") if isinstance(answers, dict) else None
+    if not isinstance(texts, list) or not isinstance(starts, list) or len(texts) != len(starts):
+        raise UserError("answers must hold lists 'text' and 'answer_start' of one length")
+    if not all(isinstance(text, str) for text in texts):
+        raise UserError("every answer text must be a string")
+    if not all(isinstance(at, int) and not isinstance(at, bool) and at >= 0 for at in starts):
+        raise UserError(f"every answer_start must be a non-negative int, got {starts!r}")
+
+
+def answer_positions(window: Window, answers: Mapping[str, Any]) -> dict[str, int]:
+    """The first answer's start and end token in ``window``.
+
+    Its ``[CLS]`` token for both where the window does not hold the whole answer, or there is none.
+    """
+    start = end = window.cls_index
+    if answers["text"]:
+        first = int(answers["answer_start"][0])
+        last = first + len(answers["text"][0])
+        context = [index for index, span in enumerate(window.offsets) if span is not None]
+        offsets = window.offsets
+        if context and offsets[context[0]][0] <= first and offsets[context[-1]][1] >= last:
+            start = next(i for i in context if offsets[i][1] > first)
+            end = next(i for i in reversed(context) if offsets[i][0] < last)
+    return {"start_positions": start, "end_positions": end}
 
 
 SQUAD = register_kind(SquadKind())
