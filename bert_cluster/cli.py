@@ -55,10 +55,22 @@ class _OneLineUsageErrors(TyperGroup):
             ctx.exit(2)
 
 
+#: What the tool does today: every command, named by what it is for (a test holds it to the commands).
+DESCRIPTION = (
+    "Improved clustered attention (Vyas et al., 2020) for pretrained BERT-family models. Measure: "
+    "evaluate scores a model unmodified and with clustered attention on GLUE, SQuAD and retrieval tasks; "
+    "tune finds the cheapest settings within a score budget; inspect shows each layer's and head's error."
+    " Make models: convert saves a checkpoint with clustered attention; finetune trains one with "
+    "clustered attention in the loop (from a checkpoint, or from a model config for masked-LM "
+    "pretraining). Embed: embed writes a corpus's embeddings to parquet shards; serve answers embedding "
+    "requests over HTTP. Tasks: ls lists them, validate checks their YAML. Environment: info (or env) "
+    "reports versions and backends; kernels builds the C++/CUDA kernels."
+)
+
 app = typer.Typer(
     cls=_OneLineUsageErrors,
     name="bert-cluster",
-    help="Improved clustered attention for pretrained BERT-family models: evaluate, convert, inspect.",
+    help=DESCRIPTION,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -82,20 +94,34 @@ def _int_or_word(text: str) -> int | str:
     return int(text) if text.strip().lstrip("-").isdigit() else text.strip()
 
 
-def _layers(text: str) -> tuple[int, ...]:
-    parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() for part in parts):
-        raise typer.BadParameter(f"malformed layer list {text!r}: give non-negative ints separated by commas")
-    return tuple(int(part) for part in parts)
+# Every option that two commands share is declared here, once: one name, one type and one help text
+# that reads right for each command using it (tests/test_cli_declared_once.py walks the app to keep it so).
+# A command that needs another default gives it as its parameter's default (``batch_size: BatchSizeOpt
+# = 16``); what a command writes into OUT is in its own description.
 
+#: --topk and --layers: one value for the commands that patch a model, several (and search) for tune.
+TopkOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--topk",
+        metavar="K[,K...]",
+        help=f"Keys per cluster recomputed exactly (default {_DEFAULTS.topk}); tune takes several "
+        "(default 16,32,64).",
+    ),
+]
+LayersOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--layers",
+        help="Attention layers to patch: all (the default) or indices such as 0,1,2; tune also takes search "
+        "(its default: all, and patching only the first or last layers).",
+    ),
+]
 
-#: One option per ClusteredAttentionConfig setting that evaluate and convert share (clusters, mode and
-#: seed differ: evaluate sweeps them). A new setting is one line here.
+#: One option per ClusteredAttentionConfig setting that every command of attention shares (clusters,
+#: mode and seed differ: evaluate sweeps them). A new setting is one line here.
 ATTENTION_OPTIONS: dict[str, Any] = {
-    "topk": Annotated[
-        int | None,
-        typer.Option("--topk", help=f"Keys per cluster recomputed exactly (default {_DEFAULTS.topk})."),
-    ],
+    "topk": TopkOpt,
     "bits": Annotated[
         int | None, typer.Option("--bits", help=f"Hash bits per query, 1..63 (default {_DEFAULTS.bits}).")
     ],
@@ -110,8 +136,9 @@ ATTENTION_OPTIONS: dict[str, Any] = {
         typer.Option(
             "--min-length",
             parser=_int_or_word,
-            help="Rows shorter than this use exact attention: an int, or auto (the measured crossover; "
-            "convert's default). evaluate: 0, every row approximated.",
+            help="Rows shorter than this use exact attention: an int, or auto (the measured crossover: "
+            "convert's, embed's and serve's default); evaluate, tune, inspect and finetune default to 0 "
+            "(every row approximated).",
         ),
     ],
     "cluster_growth": Annotated[
@@ -124,15 +151,9 @@ ATTENTION_OPTIONS: dict[str, Any] = {
     ],
     "topk_growth": Annotated[
         float | None,
-        typer.Option(
-            "--topk-growth",
-            help=f"The same for topk (default {_DEFAULTS.topk_growth}).",
-        ),
+        typer.Option("--topk-growth", help=f"The same for topk (default {_DEFAULTS.topk_growth})."),
     ],
-    "layers": Annotated[
-        str | None,
-        typer.Option("--layers", parser=_layers, help="Layer indices to patch: 0,1,2 (default all)."),
-    ],
+    "layers": LayersOpt,
     "backend": Annotated[Backend | None, typer.Option("--backend", help="Attention kernels (default auto).")],
 }
 
@@ -155,45 +176,149 @@ def attention_options(command: Callable[..., None] | None = None, *, exclude: tu
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         given = {name: kwargs.pop(name, None) for name in options}
-        settings = {
-            name: getattr(value, "value", value) for name, value in given.items() if value is not None
-        }
+        with user_errors():
+            settings = _attention_settings(given)
         return command(*args, attention=settings, **kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
     return wrapper
 
 
-# Options shared by several commands, declared once. A command that takes one C, mode and seed gets the
-# same options as one that sweeps them, and refuses several in one line (``_one_config``); an option
-# left out is None, and the command reads the value from its preset.
+def _attention_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """The config settings of the attention options given: choices as their values, --topk and --layers read.
+
+    Raises:
+        UserError: several k or search in --layers (only tune searches), or a malformed --topk or --layers.
+    """
+    from bert_cluster.errors import UserError
+
+    settings = {name: getattr(value, "value", value) for name, value in given.items() if value is not None}
+    if "topk" in settings:
+        text = settings["topk"]
+        if "," in text:
+            raise UserError(f"--topk: this command takes one k, got {text} (tune takes several)")
+        try:
+            settings["topk"] = int(text)
+        except ValueError:
+            raise UserError(f"--topk takes an int, got {text!r}") from None
+    if "layers" in settings:
+        layers = _layers(settings["layers"], words=("all",))
+        settings["layers"] = None if layers == "all" else layers
+    return settings
+
+
+def _layers(text: str, words: tuple[str, ...]) -> str | tuple[int, ...]:
+    """--layers as one of ``words`` (all; search for tune) or a tuple of layer indices.
+
+    Raises:
+        UserError: neither one of ``words`` nor non-negative ints separated by commas.
+    """
+    from bert_cluster.errors import UserError
+
+    text = text.strip()
+    if text in words:
+        return text
+    if text == "search":
+        raise UserError("--layers search: only tune searches layers; give all or indices such as 0,1,2")
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise UserError(
+            f"--layers: malformed layer list {text!r}: give non-negative ints separated by commas, or "
+            + " or ".join(words)
+        )
+    return tuple(int(part) for part in parts)
+
+
+# A command that takes one C, mode and seed gets the same options as one that sweeps them, and refuses
+# several in one line (``_one_config``); an option left out is None, and the command reads the value
+# from its preset.
 ClustersOpt = Annotated[
     str | None,
     typer.Option(
         "--clusters",
         "-c",
         metavar="C[,C...]",
-        help=f"Cluster count C (default {_DEFAULTS.clusters}); evaluate and tune take several: 10,25,50.",
+        help=f"Cluster count C (default {_DEFAULTS.clusters}); evaluate and tune take several: 10,25,50 "
+        "(tune's default 10,25,50,100).",
     ),
 ]
 ModeOpt = Annotated[
     list[Mode] | None,
     typer.Option(
-        "--mode", help=f"Attention mode (default {_DEFAULTS.mode}); evaluate and tune take it repeated."
+        "--mode",
+        help=f"Attention mode (default {_DEFAULTS.mode}); evaluate and tune take it repeated (tune's "
+        "default: every mode).",
     ),
 ]
 SeedOpt = Annotated[
-    int | None, typer.Option("--seed", help=f"Seed of the hash planes (default {_DEFAULTS.seed}).")
+    int | None,
+    typer.Option(
+        "--seed",
+        help=f"Seed of the hash planes (default {_DEFAULTS.seed}); finetune's seeds the data order, new "
+        "weights and dropout too.",
+    ),
+]
+SeedsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--seeds",
+        help="Seeds 0..N-1 per setting (default 1): evaluate scores each C and mode with each, tune "
+        "averages each candidate over them.",
+    ),
+]
+ExactOpt = Annotated[
+    bool, typer.Option("--exact", help="The unmodified model, without clustered attention (the control).")
+]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--task",
+        "-t",
+        help="Task name (bert-cluster ls lists them); evaluate takes several, comma-separated.",
+    ),
+]
+DataDirOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--data-dir", help="Folder with the tasks' files (searched one level down too); repeatable."
+    ),
+]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--limit",
+        help="Only the first N examples of each task (retrieval: N questions, the corpus cut in "
+        "proportion; inspect: N inputs of --file or --task).",
+    ),
+]
+MaxLengthOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-length",
+        help="Truncation length in tokens; by default the task's (embed: the model's positions; "
+        "inspect: 512).",
+    ),
+]
+BatchSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-size",
+        help="Examples (SQuAD: windows) per batch; by default the task's (finetune: 16 per optimizer step).",
+    ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
-ExactOpt = Annotated[bool, typer.Option("--exact", help="The unmodified model (no clustered attention).")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
-BatchSizeOpt = Annotated[int | None, typer.Option("--batch-size", help="Batch size.")]
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", metavar="OUT", help="Folder for the files the description above lists."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for machines instead of tables.")]
 OverwriteOpt = Annotated[
     bool,
     typer.Option(
-        "--overwrite", help="Write into a folder that is not empty (replacing an earlier run's files)."
+        "--overwrite",
+        help="Write into a folder that is not empty, replacing only the files an earlier run wrote there "
+        "(embed refuses a folder that holds any other file).",
     ),
 ]
 QuietOpt = Annotated[
@@ -239,7 +364,7 @@ def main_options(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """Improved clustered attention for pretrained BERT-family models: evaluate, convert, inspect."""
+    """The options before a command (--version); the commands are in DESCRIPTION."""
 
 
 @app.command()
@@ -251,41 +376,25 @@ def evaluate(
             help="Hub id, local folder or package:NAME ({task} becomes each task's name). Omit: the demo."
         ),
     ] = None,
-    task: Annotated[
-        str | None, typer.Option("--task", "-t", help="Tasks, comma-separated (see `ls`).")
-    ] = None,
+    task: TaskOpt = None,
     clusters: ClustersOpt = None,
     mode: ModeOpt = None,
-    seeds: Annotated[
-        int | None, typer.Option("--seeds", help="Number of seeds (0..N-1) per C and mode.")
-    ] = None,
-    data_dir: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--data-dir", help="Folder with the tasks' files (searched one level down too); repeatable."
-        ),
-    ] = None,
-    max_length: Annotated[
-        int | None, typer.Option("--max-length", help="Truncation length (tokens).")
-    ] = None,
+    seeds: SeedsOpt = None,
+    data_dir: DataDirOpt = None,
+    max_length: MaxLengthOpt = None,
     batch_size: BatchSizeOpt = None,
     device: DeviceOpt = "cpu",
-    limit: Annotated[
-        int | None,
-        typer.Option(
-            "--limit", help="Score N examples per task (retrieval: N questions, corpus cut in proportion)."
-        ),
-    ] = None,
-    output: Annotated[
-        Path | None,
-        typer.Option("--output", "-o", help="Folder for results.json, results.md and scores.png."),
-    ] = None,
+    limit: LimitOpt = None,
+    output: OutputOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
-    """Score MODEL unmodified and with clustered attention in each configuration, on each task."""
+    """Score MODEL unmodified and with clustered attention in each configuration, on each task.
+
+    OUT: results.json, results.md and scores.png.
+    """
     from bert_cluster import evaluation
     from bert_cluster.parallel import is_main_process
     from bert_cluster.render import progress_reporter, results_table
@@ -347,7 +456,7 @@ def convert(
     overwrite: OverwriteOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
-    """Save a checkpoint patched with clustered attention (``import bert_cluster`` re-applies it on load)."""
+    """Save a checkpoint patched with clustered attention (import bert_cluster re-applies it on load)."""
     from bert_cluster.checkpoints import convert_checkpoint
 
     with user_errors():
@@ -401,9 +510,7 @@ def embed(
             "or package:squad-articles."
         ),
     ],
-    output: Annotated[
-        Path, typer.Option("--output", "-o", help="Folder for shard-NNNNN.parquet and manifest.json.")
-    ],
+    output: OutputOpt,
     text_field: Annotated[
         str | None, typer.Option("--text-field", help="Column of the texts (default text).")
     ] = None,
@@ -419,26 +526,20 @@ def embed(
     mode: ModeOpt = None,
     seed: SeedOpt = None,
     dtype: DtypeOpt = "float32",
-    max_length: Annotated[
-        int | None, typer.Option("--max-length", help="Truncation (tokens; default: the model's positions).")
-    ] = None,
+    max_length: MaxLengthOpt = None,
     max_tokens_per_batch: Annotated[
         int, typer.Option("--max-tokens-per-batch", help="Padded tokens (rows x longest) per model pass.")
     ] = 16384,
     shard_size: Annotated[int, typer.Option("--shard-size", help="Documents per shard.")] = 10000,
     device: DeviceOpt = "cpu",
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite",
-            help="Replace an embed run of other settings (only the files its state lists; any other file "
-            "in the folder is refused).",
-        ),
-    ] = False,
+    overwrite: OverwriteOpt = False,
     quiet: QuietOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
-    """Embed every document of INPUT into parquet shards; a stopped run continues on the same command."""
+    """Embed every document of INPUT into parquet shards; a stopped run continues on the same command.
+
+    OUT: shard-NNNNN.parquet and manifest.json. --overwrite replaces an embed run of other settings there.
+    """
     from bert_cluster import embedding
     from bert_cluster.embedding.progress import ProgressBar
     from bert_cluster.parallel import is_main_process
@@ -646,28 +747,20 @@ Cost = enum.Enum("Cost", {"speed": "speed", "attention": "attention"}, type=str)
 @attention_options(exclude=("topk", "layers"))
 def tune(
     model: Annotated[str, typer.Argument(help="Hub id, local folder or package:NAME.")],
-    task: Annotated[str, typer.Option("--task", "-t", help="The task to tune on (one; see `ls`).")],
+    task: TaskOpt,
     budget: Annotated[
         float,
         typer.Option("--budget", help="Largest score drop allowed, in points of every judged metric."),
     ] = 0.5,
     clusters: ClustersOpt = None,
-    topk: Annotated[
-        str | None, typer.Option("--topk", help="Exact keys k to try (default 16,32,64).")
-    ] = None,
+    topk: TopkOpt = None,
     mode: ModeOpt = None,
-    layers: Annotated[
-        str,
-        typer.Option(
-            "--layers",
-            help="search: also try patching only the first or last layers; all: every layer; or 0,1,2.",
-        ),
-    ] = "search",
+    layers: LayersOpt = "search",
     metric: Annotated[
         list[str] | None,
         typer.Option("--metric", help="Metric judged against the budget; repeatable (default: all)."),
     ] = None,
-    seeds: Annotated[int, typer.Option("--seeds", help="Seeds (0..N-1) averaged per candidate.")] = 1,
+    seeds: SeedsOpt = 1,
     cost: Annotated[
         Cost,
         typer.Option(
@@ -694,22 +787,12 @@ def tune(
             "(N: screening examples; 300 / N is three examples' worth).",
         ),
     ] = 2.0,
-    data_dir: Annotated[
-        list[Path] | None,
-        typer.Option("--data-dir", help="Folder with the task's files (searched one level down too)."),
-    ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="The dev slice: the first N examples.")] = None,
-    max_length: Annotated[
-        int | None, typer.Option("--max-length", help="Truncation length (tokens).")
-    ] = None,
+    data_dir: DataDirOpt = None,
+    limit: LimitOpt = None,
+    max_length: MaxLengthOpt = None,
     batch_size: BatchSizeOpt = None,
     device: DeviceOpt = "cpu",
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "--output", "-o", help="Folder for tune.json, tune.md, tune.png and clustered-attention.json."
-        ),
-    ] = None,
+    output: OutputOpt = None,
     save_model: Annotated[
         Path | None,
         typer.Option("--save-model", help="Save the checkpoint converted with the chosen settings here."),
@@ -725,22 +808,18 @@ def tune(
     averaged over layers) or the highest measured speedup (--cost speed). The search assumes more
     clusters, more keys and fewer patched layers never score worse: over C it stops at the first C
     that fails, going down. The grid: --clusters (default 10,25,50,100), --topk (default 16,32,64) and
-    --mode (default every mode).
+    --mode (default every mode), scored on the task's dev split (--limit N: its first N examples).
+
+    OUT: tune.json, tune.md, tune.png and clustered-attention.json.
     """
     from bert_cluster import evaluation
-    from bert_cluster.errors import UserError
     from bert_cluster.parallel import is_main_process
     from bert_cluster.render import CandidateLines, progress_reporter, tune_table
 
     quiet = quiet or not is_main_process()
     reporter = None if quiet or as_json else CandidateLines(progress_reporter(stderr), stderr)
     with user_errors():
-        chosen_layers: Any = layers.strip()
-        if chosen_layers not in ("search", "all"):
-            try:
-                chosen_layers = _layers(chosen_layers)
-            except typer.BadParameter as error:
-                raise UserError(f"--layers: {error.message}; or search, or all") from None
+        chosen_layers = _layers(layers or "search", words=("search", "all"))
         try:
             result = evaluation.tune(
                 model,
@@ -797,20 +876,11 @@ def tune(
 @attention_options
 def finetune(
     model: Annotated[str, typer.Argument(help="Hub id, local folder or package:NAME (any head, or none).")],
-    task: Annotated[str, typer.Option("--task", "-t", help="The task to train on (one with a train split).")],
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output",
-            "-o",
-            help="Folder for the fine-tuned checkpoint, finetune.json/.md, loss.png, checkpoints/.",
-        ),
-    ],
+    task: TaskOpt,
+    output: OutputOpt,
     clusters: ClustersOpt = None,
     mode: ModeOpt = None,
-    exact: Annotated[
-        bool, typer.Option("--exact", help="Train with the unmodified attention (the control).")
-    ] = False,
+    exact: ExactOpt = False,
     lora: Annotated[
         bool,
         typer.Option(
@@ -836,10 +906,8 @@ def finetune(
             help="Peak learning rate (default 5e-4 LoRA, 1e-4 LoRA distilling, 2e-5 full).",
         ),
     ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples (SQuAD: windows) per step.")] = 16,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Seed of the data order, new weights, dropout and hash planes.")
-    ] = 0,
+    batch_size: BatchSizeOpt = 16,
+    seed: SeedOpt = 0,
     bf16: Annotated[bool, typer.Option("--bf16", help="Train under bf16 autocast.")] = False,
     save_steps: Annotated[
         int, typer.Option("--save-steps", help="A checkpoint every N steps (OUT/checkpoints).")
@@ -848,14 +916,9 @@ def finetune(
         bool, typer.Option("--resume", help="Continue the run in OUT from its last complete checkpoint.")
     ] = False,
     overwrite: OverwriteOpt = False,
-    data_dir: Annotated[
-        list[Path] | None,
-        typer.Option("--data-dir", help="Folder with the task's train file (searched one level down too)."),
-    ] = None,
-    max_length: Annotated[
-        int | None, typer.Option("--max-length", help="Truncation length (default the task's).")
-    ] = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Train on the first N rows.")] = None,
+    data_dir: DataDirOpt = None,
+    max_length: MaxLengthOpt = None,
+    limit: LimitOpt = None,
     device: DeviceOpt = "cpu",
     distill: Annotated[
         float,
@@ -910,8 +973,9 @@ def finetune(
     MODEL may be a model config .json (random weights: masked-LM pretraining, e.g.
     configs/models/byte_bert_4k.json --task sympy-mlm).
 
-    OUT then holds a converted checkpoint that `bert-cluster evaluate OUT` scores. After Ctrl-C or a
-    kill, the same command with --resume continues from the last checkpoint.
+    OUT: the fine-tuned checkpoint (converted: bert-cluster evaluate OUT scores it), finetune.json,
+    finetune.md, loss.png and checkpoints/. After Ctrl-C or a kill, the same command with --resume
+    continues from the last checkpoint.
     """
     from bert_cluster.errors import UserError
 
@@ -1026,7 +1090,7 @@ def info(as_json: JsonOpt = False) -> None:
     stdout.print(table)
 
 
-app.command("env", help="Same as `info`.")(info)
+app.command("env", help="Same as info.")(info)
 
 
 @kernels_app.command("build")
@@ -1116,30 +1180,27 @@ def inspect_command(
     file: Annotated[
         Path | None, typer.Option("--file", help="A text file: one input per non-empty line.")
     ] = None,
-    task: Annotated[
-        str | None, typer.Option("--task", "-t", help="Take the inputs from a task's dev set (see `ls`).")
-    ] = None,
-    data_dir: Annotated[
-        Path | None, typer.Option("--data-dir", help="Folder with the task's files (with --task).")
-    ] = None,
-    limit: Annotated[int, typer.Option("--limit", help="Inputs taken from --file or --task.")] = 16,
+    task: TaskOpt = None,
+    data_dir: DataDirOpt = None,
+    limit: LimitOpt = 16,
     clusters: ClustersOpt = None,
     mode: ModeOpt = None,
     seed: SeedOpt = None,
-    max_length: Annotated[int, typer.Option("--max-length", help="Truncation length (tokens).")] = 512,
+    max_length: MaxLengthOpt = 512,
     max_error: Annotated[
         float, typer.Option("--max-error", help="Per-layer error budget for the suggested layers=.")
     ] = DEFAULT_MAX_ERROR,
     per_head: Annotated[bool, typer.Option("--heads", help="Show every head, not only layer means.")] = False,
-    output: Annotated[
-        Path | None,
-        typer.Option("--output", "-o", help="Folder for inspect.json, inspect.md and inspect.png."),
-    ] = None,
+    output: OutputOpt = None,
     overwrite: OverwriteOpt = False,
     as_json: JsonOpt = False,
     attention: dict[str, Any] | None = None,
 ) -> None:
-    """Per layer and head: relative error against exact attention, top-k mass, cluster sizes."""
+    """Per layer and head: relative error against exact attention, top-k mass, cluster sizes.
+
+    The inputs: --text, --file or a task's dev set (--task, its files in --data-dir). OUT: inspect.json,
+    inspect.md and inspect.png.
+    """
     from bert_cluster.errors import UserError
 
     with user_errors():
@@ -1165,6 +1226,8 @@ def inspect_command(
             from bert_cluster.evaluation import load_task_texts  # datasets, pandas: only for --task
 
             inputs, given = load_task_texts(task, data_dir, limit), f"task {task}"
+        # One folder is recorded as before (a string); several, which --data-dir now takes, as a list.
+        folders = [str(folder) for folder in data_dir or ()]
         report = inspection.inspect_checkpoint(
             model,
             inputs,
@@ -1176,7 +1239,7 @@ def inspect_command(
             settings={
                 "inputs": given,
                 "limit": limit,
-                "data_dir": None if data_dir is None else str(data_dir),
+                "data_dir": (folders[0] if len(folders) == 1 else folders) or None,
             },
         )
     if as_json:

@@ -5,6 +5,8 @@ The API is patched where only the shell is under test: it records what the comma
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import helpers
 import pytest
 from typer.testing import CliRunner
@@ -136,3 +138,59 @@ def test_tune_refuses_attention_settings_it_searches(tiny_folder):
 
     with pytest.raises(UserError, match="attention= sets topk, which tune searches"):
         evaluation.tune(tiny_folder, "rte", 0.5, attention={"topk": 8})
+
+
+# What the options of one name take, now that each is one declaration: --topk several and --layers
+# search only in tune, --data-dir repeated in inspect as in evaluate.
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--topk", "16,32"], "--topk: this command takes one k, got 16,32 (tune takes several)"),
+        (["--topk", "abc"], "--topk takes an int, got 'abc'"),
+        (["--layers", "search"], "--layers search: only tune searches layers"),
+        (["--layers", "0,a"], "--layers: malformed layer list '0,a'"),
+    ],
+)
+def test_what_only_tune_takes_is_one_line_and_exit_2_elsewhere(extra, message, monkeypatch, tmp_path):
+    calls = recorder(monkeypatch, "bert_cluster.checkpoints.convert_checkpoint")
+    result = runner.invoke(app, ["convert", "some/model", str(tmp_path / "out"), *extra])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert calls == []
+
+
+def test_one_k_and_layers_all_reach_the_config(monkeypatch, tmp_path):
+    calls = recorder(monkeypatch, "bert_cluster.checkpoints.convert_checkpoint")
+    result = runner.invoke(
+        app, ["convert", "some/model", str(tmp_path / "out"), "--topk", "16", "--layers", "all"]
+    )
+    assert isinstance(result.exception, Stop), result.output
+    config = calls[0][0][2]
+    assert config.topk == 16 and config.layers is None
+
+
+def test_tune_takes_several_k_and_searches_layers_by_default(monkeypatch):
+    calls = recorder(monkeypatch, "bert_cluster.evaluation.tune")
+    result = runner.invoke(app, ["tune", "some/model", "-t", "rte", "--topk", "8,16"])
+    assert isinstance(result.exception, Stop), result.output
+    assert calls[0][1]["topk"] == "8,16" and calls[0][1]["layers"] == "search"
+    result = runner.invoke(app, ["tune", "some/model", "-t", "rte", "--layers", "1,0"])
+    assert isinstance(result.exception, Stop), result.output
+    assert calls[1][1]["layers"] == (1, 0)
+
+
+def test_inspect_takes_data_dir_repeated_as_evaluate_does(monkeypatch, tmp_path):
+    """One folder is recorded in inspect.json's settings as before (a string), several as a list."""
+    seen = []
+    monkeypatch.setattr(
+        "bert_cluster.evaluation.load_task_texts", lambda task, folders, limit: seen.append(folders) or ["a"]
+    )
+    calls = recorder(monkeypatch, "bert_cluster.inspection.inspect_checkpoint")
+    for folders, recorded in (([tmp_path], str(tmp_path)), ([tmp_path, Path("b")], [str(tmp_path), "b"])):
+        given = [part for folder in folders for part in ("--data-dir", str(folder))]
+        result = runner.invoke(app, ["inspect", "some/model", "--task", "rte", *given])
+        assert isinstance(result.exception, Stop), result.output
+        assert seen[-1] == folders and calls[-1][1]["settings"]["data_dir"] == recorded
