@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The test command: install (scripts/setup.sh), lint, then the whole test suite on two pytest-xdist workers
-# (the test files that hold a slow test start first: tests/conftest.py), with the slowest tests' times and
-# the reasons of those over 20 s at the end. Extra arguments go to pytest (`-n 0`: one process).
+# The test command: install (scripts/setup.sh), lint, then the whole test suite on two pytest-xdist workers,
+# each test file on one worker (--dist loadfile: a module's fixtures, such as tests/test_wheel.py's build,
+# are made once; loadgroup's xdist_group marks have no effect under pytest 9.2, whose items keep their id
+# elsewhere than where pytest-xdist 3.8 writes the group), the files that hold a slow test first
+# (tests/conftest.py), with the slowest tests' times and the reasons of those over 20 s at the end. Extra
+# arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 began=$SECONDS
@@ -12,7 +15,7 @@ echo "test.sh: install $((SECONDS - began)) s"
 ruff check .
 ruff format --check .
 set +e
-python -m pytest -n 2 --dist loadgroup --durations=30 "$@"
+python -m pytest -n 2 --dist loadfile --durations=30 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -49,7 +49,7 @@ BERT_CLUSTER_ONLY_THIS_CPU=1 MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.
   exit 1
 }
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15 -m "not data" \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 -m "not data" \
   tests/ops tests/test_reference.py tests/test_properties.py tests/test_dispatch.py tests/test_hf.py \
   tests/test_cuda_jit.py tests/test_lean_import.py tests/test_gpu_check.py "$@"
 status=$?

@@ -28,8 +28,6 @@ pytestmark = [
     pytest.mark.slow(
         reason="builds the sdist and wheel (three CPU kernel libraries), installs it into two venvs"
     ),
-    # One worker of pytest-xdist runs the module, so that the wheel is built and installed once.
-    pytest.mark.xdist_group("wheel"),
     # The build's own limit is 2400 s (the 600 s default would stop it on a loaded machine).
     pytest.mark.timeout(2400),
 ]
