@@ -74,7 +74,9 @@ def test_the_cut_before_tokenising_keeps_every_token_the_model_sees():
         assert kept == tokenizer(whole, truncation=True, max_length=4096)["input_ids"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="two short training runs of the long-document recipe (exact and clustered), scored at each budget"
+)
 def test_a_short_run_writes_both_runs_scores_at_every_budget(tmp_path):
     model = save_sentence_transformer(tmp_path / "st", max_seq_length=64)
     output = tmp_path / "out" / "training.json"
@@ -120,7 +122,9 @@ def test_the_growth_options_reach_convert_and_out_of_range_ones_exit_2(tmp_path,
     assert not (tmp_path / "out.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="a short clustered training run of the long-document recipe, its copies scored twice"
+)
 def test_the_clustered_copies_scored_with_exact_attention_too(tmp_path):
     """--score-exact-too: untrained, the clustered model scored with exact attention is the exact model,
     so its scores equal the exact run's; the model goes back to clustered attention for its training."""

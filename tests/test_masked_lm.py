@@ -172,6 +172,7 @@ def _finish(process: subprocess.Popen) -> dict:
     return json.loads(output.decode().strip().splitlines()[-1])
 
 
+@pytest.mark.slow(reason="three masked-LM runs in subprocesses: one whole, one killed with -9 and resumed")
 def test_a_few_steps_from_random_weights_lower_the_loss_and_resume_after_kill_9_bit_for_bit(
     tiny, tmp_path, monkeypatch
 ):

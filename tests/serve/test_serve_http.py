@@ -124,6 +124,9 @@ def wait_for_metric(url: str, name: str, value: float, timeout: float = 30, **la
 
 # 1,000 requests through HTTP and JSON, and their 1,999 inputs encoded offline: 21 s at a load of 8 on 2
 # cores.
+@pytest.mark.slow(
+    reason="1,000 requests over HTTP to a uvicorn subprocess, each answer checked against the offline path"
+)
 async def test_1000_requests_at_concurrency_32_lose_nothing_and_answer_their_own_input(
     tiny_encoder, shared_server
 ):
