@@ -27,7 +27,7 @@ def test_the_corpus_is_the_same_for_the_same_seed(tmp_path):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two embed runs, each in a fresh subprocess that imports torch and transformers")
 def test_two_sizes_give_runs_and_a_summary_from_them(tmp_path):
     bench = load_bench()
     output = tmp_path / "results.json"
