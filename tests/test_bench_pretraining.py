@@ -50,6 +50,13 @@ def falling(start: float, step: float, noise: float = 0.0) -> dict[float, float]
     return {budget: start - step * index + noise for index, budget in enumerate(BUDGETS)}
 
 
+def test_the_gate_and_targets_scale_with_the_budgets():
+    assert pretraining.judged_budgets(BUDGETS) == (600.0, 1200.0, (600.0, 900.0, 1200.0))  # the issue's
+    assert pretraining.judged_budgets([1200, 2400, 3600, 4800]) == (2400, 4800, (2400, 3600, 4800))
+    with pytest.raises(ValueError, match="half the longest"):
+        pretraining.judged_budgets([300, 700])
+
+
 def test_every_target_met_supports_the_claim():
     exact = [falling(3.5, 0.2, noise) for noise in (0.0, 0.01, -0.01)]
     clustered = [falling(3.0, 0.2, noise) for noise in (0.0, 0.01, -0.01)]  # 0.5 lower everywhere
@@ -198,6 +205,7 @@ def test_finished_runs_are_read_not_retrained_into_results_table_and_plot(tmp_pa
     written = json.loads(output.read_text(encoding="utf-8"))
     assert written["seeds"]["1"]["clustered"]["marks"]["120"]["loss"] == pytest.approx(3.2 - 0.12 + 0.01)
     assert written["seeds"]["0"]["exact"]["seconds_per_step"] == pytest.approx(9.0)
-    assert written["verdict"]["status"] == "incomplete"  # 60 / 120 s budgets lack the 10-20 minute marks
+    assert written["verdict"]["status"] == "not decided"  # exact fell 0.06 from 1 to 2 minutes
+    assert (written["verdict"]["gate"]["from"], written["verdict"]["gate"]["to"]) == (60.0, 120.0)
     assert output.with_suffix(".png").stat().st_size > 10_000
     assert "| 2 min |" in output.with_suffix(".md").read_text(encoding="utf-8")
