@@ -7,6 +7,11 @@ Environment:
     BERT_CLUSTER_NATIVE=1         compile the CPU code with -march=native only (not portable).
     BERT_CLUSTER_MARCH=ARCH       compile the CPU code for one ISA only, e.g. x86-64-v3.
     BERT_CLUSTER_ONLY_THIS_CPU=1  build only the CPU library of this CPU's x86-64 level (the demo's install).
+    BERT_CLUSTER_KERNEL_CACHE=DIR reuse a library built before from the same inputs (every file under
+                                  kernels/, the extension's flags and macros, torch's release, the
+                                  compiler's version, Python's ABI tag), and store each one built: CI
+                                  builds the same three CPU libraries twice (the editable install, then
+                                  tests/test_wheel.py's wheel from its sdist), 3 to 4 minutes of compiling.
 
 The CPU kernels are compiled once per x86-64 ISA level into their own libraries
 (``bert_cluster._C_cpu_x86_64_v4`` = AVX-512, ``_v3`` = AVX2 + FMA, ``_C_cpu_x86_64`` = SSE2), of which
@@ -137,6 +142,15 @@ def _build_ext_class(base: type) -> type:
 
     class BuildExtensionPerFolder(base):
         def build_extension(self, ext) -> None:  # noqa: D102 - setuptools' command protocol
+            cache = os.environ.get("BERT_CLUSTER_KERNEL_CACHE", "").strip()
+            output = Path(self.get_ext_fullpath(ext.name))
+            stored = Path(cache) / f"{ext.name}-{_cache_key(ext, self.compiler)}.so" if cache else None
+            if stored is not None and stored.is_file():
+                output.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(stored, output)
+                os.utime(stored)  # recently used: kept by _prune
+                print(f"bert-cluster: {ext.name} from the kernel cache ({stored.name})", file=sys.stderr)
+                return
             shared = self.build_temp
             # pip's editable install builds in a new temporary folder each time: keep its objects in the
             # checkout instead, so that ninja recompiles only what changed.
@@ -146,8 +160,65 @@ def _build_ext_class(base: type) -> type:
                 super().build_extension(ext)
             finally:
                 self.build_temp = shared
+            if stored is not None:  # written whole, then renamed: a reader never sees half a library
+                stored.parent.mkdir(parents=True, exist_ok=True)
+                partial = stored.with_name(f"{stored.name}.{os.getpid()}.partial")
+                shutil.copyfile(output, partial)
+                os.replace(partial, stored)
+                _prune(stored.parent, ext.name)
 
     return BuildExtensionPerFolder
+
+
+def _prune(cache: Path, name: str, keep: int = 2) -> None:
+    """Keep the ``keep`` most recently used libraries of extension ``name`` in the cache (about 1 MB each)."""
+    entries = sorted(cache.glob(f"{name}-*.so"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for path in entries[keep:]:
+        path.unlink(missing_ok=True)
+
+
+def _cache_key(ext, compiler) -> str:
+    """What a kernel library is built from, hashed: equal keys build the same library (``KERNEL_CACHE``).
+
+    Every file under kernels/ (a file missing from an sdist changes the key, so that build compiles and
+    fails as it would without the cache), the extension's flags, macros and libraries (not its include
+    folders: the torch headers' absolute paths differ between environments of the same release), torch's
+    release and commit, the compiler's version and Python's ABI tag.
+    """
+    import hashlib
+    import subprocess
+    import sysconfig
+
+    import torch
+
+    digest = hashlib.sha256()
+    kernels = ROOT / "kernels"
+    for path in sorted(p for p in kernels.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(kernels).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    command = list(getattr(compiler, "compiler_so", None) or ["c++"])
+    try:
+        version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        version = "unknown"
+    facts = (
+        ext.name,
+        list(ext.sources),  # relative to the root (setup.py names them so)
+        ext.extra_compile_args,
+        ext.define_macros,
+        ext.undef_macros,
+        ext.libraries,
+        ext.extra_link_args,
+        ext.py_limited_api,
+        command[1:],
+        version,
+        str(torch.__version__),
+        torch.version.git_version,
+        sysconfig.get_config_var("SOABI"),
+        sysconfig.get_config_var("CFLAGS"),
+        platform.machine(),
+    )
+    digest.update(repr(facts).encode())
+    return digest.hexdigest()[:24]
 
 
 def _cpu_libraries() -> list[tuple[str, list[str], int]]:

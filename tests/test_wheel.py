@@ -88,7 +88,12 @@ def built(tmp_path_factory) -> dict[str, Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, target)
     dist = work / "dist"
-    _run([sys.executable, "-m", "build", "--outdir", str(dist), str(source)], work, _clean_env(), 2400)
+    # scripts/test.sh's kernel cache (setup.py, BERT_CLUSTER_KERNEL_CACHE): the libraries its editable
+    # install built from the same inputs, not compiled a second time. The sdist must still carry every file
+    # under kernels/, else the inputs differ and the wheel compiles from what it carries.
+    cache = {"BERT_CLUSTER_KERNEL_CACHE": os.environ.get("BERT_CLUSTER_KERNEL_CACHE", "")}
+    command = [sys.executable, "-m", "build", "--outdir", str(dist), str(source)]
+    _run(command, work, _clean_env(**cache), 2400)
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, sorted(p.name for p in dist.iterdir())
     return {"wheel": wheels[0], "sdist": sdists[0], "work": work}

@@ -183,7 +183,9 @@ async def test_sigterm_under_load_finishes_in_flight_work_refuses_new_work_and_e
     for _ in range(100):
         try:
             httpx.get(f"{server.url}/health", timeout=1)
-        except httpx.ConnectError as error:
+        # New work refused: the socket closed (ConnectError), or a connection that reached the backlog as
+        # it closed is dropped unanswered (RemoteProtocolError: seen in a whole-suite run on 2 busy cores).
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as error:
             refused = error
             break
         time.sleep(0.02)
