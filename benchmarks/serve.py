@@ -16,6 +16,11 @@ and the reverse in the second, so that a change of the machine's load falls on e
 figures pool its rounds, and each round's throughput is kept. Per arm and cell: requests/s and tokens/s,
 latency p50/p95/p99 (and, in the mix, of its short and long requests apart), and every status counted.
 
+``--arms`` picks the servers (default: the three above); ``clustered-no-interleave`` and
+``exact-no-interleave`` are this server with ``--no-interleave``, the controls of interleaving (queries run
+between a long batch's layers): with them, ``--workloads short long-8192 mix`` measures what interleaving
+does to the mix in one run (``interleave_table``).
+
 Targets (issue 68): long documents at 8,192 tokens >= 3x Infinity's throughput; short queries >= 0.9x
 Infinity's; in the mix, the short requests' p99 at most one long batch's time (the arm's p50 latency of a
 single 8,192-token document) plus twice their short-only p99 at the same concurrency; no error but
@@ -65,6 +70,8 @@ from benchmarks.harness import (
 )
 
 ARMS = ("clustered", "exact", "infinity")
+#: Every arm ``--arms`` takes: the three above and the controls of interleaving.
+ALL_ARMS = (*ARMS, "clustered-no-interleave", "exact-no-interleave")
 #: Workload -> concurrency levels, and per arm and cell the most requests and seconds (all rounds).
 PLAN: dict[str, dict[int, tuple[int, float]]] = {
     "short": {1: (400, 20.0), 8: (2000, 20.0), 32: (4000, 20.0)},
@@ -211,14 +218,16 @@ class Arm:
         return {"input": [text], "model": self.model_name}
 
 
-def make_arms(model: str, threads: int, infinity: str) -> list[Arm]:
-    """The three servers' commands, each on a free port, with the same threads."""
+def make_arms(model: str, threads: int, infinity: str, names: tuple[str, ...] = ARMS) -> list[Arm]:
+    """The servers ``names`` (of ``ALL_ARMS``): their commands, each on a free port, same threads."""
     threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     ours = [*module_command("bert_cluster"), "serve", model, "--threads", str(threads), *SERVE_ARGS]
     quiet = ["--log-level", "warning"]
     arms = [
         Arm("clustered", [*ours, *quiet], threads_env, free_port()),
         Arm("exact", [*ours, "--exact", *quiet], threads_env, free_port()),
+        Arm("clustered-no-interleave", [*ours, "--no-interleave", *quiet], threads_env, free_port()),
+        Arm("exact-no-interleave", [*ours, "--exact", "--no-interleave", *quiet], threads_env, free_port()),
     ]
     infinity_env = {
         **threads_env,
@@ -239,6 +248,7 @@ def make_arms(model: str, threads: int, infinity: str) -> list[Arm]:
         "127.0.0.1",
     ]
     arms.append(Arm("infinity", [*command, "--log-level", "warning"], infinity_env, free_port()))
+    arms = [arm for name in names for arm in arms if arm.name == name]
     for arm in arms:
         arm.command += ["--port", str(arm.port)]
     return arms
@@ -434,7 +444,7 @@ def throughput_target(cells: list[dict], workload: str, target: float) -> dict:
 def mix_target(cells: list[dict]) -> dict:
     """Per arm and mix concurrency: the short requests' p99 against one long batch + 2x short-only p99."""
     result: dict[str, Any] = {}
-    for arm in ARMS:
+    for arm in arms_in(cells):
         single = cell_of(cells, f"long-{MIX_LONG}", 1, arm)
         long_batch = (single or {}).get("latency_ms") or {}
         levels = {}
@@ -459,6 +469,12 @@ def mix_target(cells: list[dict]) -> dict:
     return result
 
 
+def arms_in(cells: list[dict]) -> list[str]:
+    """The arms ``cells`` hold, in ``ALL_ARMS``'s order."""
+    found = {cell["arm"] for cell in cells}
+    return [arm for arm in ALL_ARMS if arm in found]
+
+
 def targets(cells: list[dict]) -> dict:
     """Issue 68's targets, met or missed per arm."""
     return {
@@ -471,7 +487,7 @@ def targets(cells: list[dict]) -> dict:
                 "deliberate_429": sum(c["deliberate_429"] for c in cells if c["arm"] == arm),
                 "met": sum(c["errors"] for c in cells if c["arm"] == arm) == 0,
             }
-            for arm in ARMS
+            for arm in arms_in(cells)
         },
     }
 
@@ -530,15 +546,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--infinity", default=".venv-infinity/bin/infinity_emb", help="Infinity's command")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per cell (arms reversed in turn)")
     parser.add_argument("--smoke", action="store_true", help="a short run of every workload (minutes)")
+    parser.add_argument("--arms", nargs="+", choices=ALL_ARMS, default=list(ARMS), help="the servers")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=tuple(PLAN), default=list(PLAN), help="the workloads run"
+    )
     parser.add_argument("--output", type=Path, required=True, help="the results JSON file")
     parser.add_argument(
         "--logs", type=Path, default=None, help="folder for the servers' logs (default: beside)"
     )
     args = parser.parse_args(argv)
-    if not Path(args.infinity).exists():
+    if "infinity" in args.arms and not Path(args.infinity).exists():
         parser.error(f"{args.infinity} is missing: bash scripts/setup_peers.sh infinity")
     model = str(Path(args.model).resolve())
-    plan = SMOKE if args.smoke else PLAN
+    every = SMOKE if args.smoke else PLAN
+    plan = {name: levels for name, levels in every.items() if name in args.workloads}
     rounds = 1 if args.smoke else args.rounds
     logs = args.logs or args.output.with_suffix("")
     logs.mkdir(parents=True, exist_ok=True)
@@ -550,11 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.time()
     found, facts = machine(args.threads)
     texts = Texts(model)
-    arms = make_arms(model, args.threads, args.infinity)
+    arms = make_arms(model, args.threads, args.infinity, tuple(args.arms))
     with running(arms, logs, report):
         cells = run_plan(arms, texts, plan, rounds, report)
     load_after = load_average()
-    infinity = infinity_versions(args.infinity)
+    infinity = infinity_versions(args.infinity) if "infinity" in args.arms else {}
     result = {
         "benchmark": "serve",
         "command": "python -m benchmarks.serve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -696,6 +717,60 @@ def verdicts(found: dict) -> str:
         )
     )
     return "; ".join(parts) + "."
+
+
+def interleave_table(data: list[dict]) -> list[str]:
+    """The mix with and without interleaving, per arm: queries' and documents' rates and latencies."""
+    report = data[0]
+    found = report["targets"]["mix_short_p99"]
+    rows = []
+    for arm in arms_in(report["cells"]):
+        for level, entry in found.get(arm, {}).get("levels", {}).items():
+            cell = cell_of(report["cells"], "mix", int(level), arm) or {}
+            kinds = cell.get("latency_ms_by_kind") or {}
+            short, long = kinds.get("short") or {}, kinds.get(f"long-{MIX_LONG}") or {}
+            wall = cell.get("seconds") or 0
+
+            def rate(kind: dict, wall: float = wall) -> str:
+                return f"{kind['n'] / wall:.3g}" if wall and kind.get("n") else "–"
+
+            def latency(kind: dict, key: str) -> str:
+                return ms(kind[key]) if kind.get(key) else "–"
+
+            rows.append(
+                [
+                    arm,
+                    level,
+                    rate(short),
+                    rate(long),
+                    latency(short, "p50"),
+                    latency(short, "p99"),
+                    ms(entry["bound_ms"]) if entry.get("bound_ms") else "–",
+                    {True: "met", False: "missed", None: "not measured"}[entry.get("met")],
+                    latency(long, "p50"),
+                ]
+            )
+    header = [
+        "server",
+        "concurrency",
+        "queries/s",
+        "documents/s",
+        "query p50 ms",
+        "query p99 ms",
+        "bound on query p99 ms",
+        "bound",
+        "document p50 ms",
+    ]
+    loads = report["load_average_before"], report["load_average_after"]
+    caption = (
+        f"The mix (90% queries of 10-60 tokens, 10% documents of {MIX_LONG:,} tokens), one input per "
+        f"request, {report['threads']} torch thread(s) per server, {report['rounds']} round(s) per cell "
+        f"(arms in turn, then reversed); the bound: one long batch (the arm's p50 for one {MIX_LONG:,}-token "
+        f"document alone) + 2 × the arm's short-only p99 at the same concurrency; "
+        f"{report['machine']['cpu']}, {report['machine']['cores']} cores: load average (1 min) "
+        f"{loads[0][0]:.1f} before, {loads[1][0]:.1f} after; run of {report['date'][:10]}."
+    )
+    return table_lines(header, "ll" + "r" * (len(header) - 2), rows) + ["", caption]
 
 
 if __name__ == "__main__":

@@ -682,6 +682,14 @@ def serve(
     warmup: Annotated[
         bool, typer.Option("--warmup/--no-warmup", help="Run the model once before /ready says ready.")
     ] = True,
+    interleave: Annotated[
+        bool,
+        typer.Option(
+            "--interleave/--no-interleave",
+            help="Run short inputs' batches between the layers of a long one (a query waits for one "
+            "layer of a long document, not all of it).",
+        ),
+    ] = ServeSettings.interleave,
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn's: info, warning, error...")
     ] = "info",
@@ -725,6 +733,7 @@ def serve(
             api_key=api_key,
             cors_origins=tuple(cors_origin or ()),
             warmup=warmup,
+            interleave=interleave,
         )
         serving.run_server(
             settings, host=host, port=port, workers=workers, grace_s=grace_s, log_level=log_level.lower()

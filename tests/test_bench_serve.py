@@ -35,8 +35,13 @@ def test_percentiles_are_nearest_rank_in_milliseconds():
     assert bench.percentiles([]) is None
 
 
-def cell(workload, concurrency, arm, rate, p50=10.0, p99=20.0, short_p99=None, errors=0):
+def cell(
+    workload, concurrency, arm, rate, p50=10.0, p99=20.0, short_p99=None, errors=0, seconds=None, counts=None
+):
     by_kind = {"short": {"p99": short_p99}} if short_p99 is not None else {}
+    if counts is not None:
+        by_kind["short"]["n"] = counts[0]
+        by_kind["long-8192"] = {"p50": 5000.0, "n": counts[1]}
     return {
         "workload": workload,
         "concurrency": concurrency,
@@ -44,6 +49,7 @@ def cell(workload, concurrency, arm, rate, p50=10.0, p99=20.0, short_p99=None, e
         "requests_per_s": rate,
         "latency_ms": {"p50": p50, "p99": p99},
         "latency_ms_by_kind": by_kind,
+        "seconds": seconds,
         "errors": errors,
         "deliberate_429": 0,
     }
@@ -76,3 +82,41 @@ def test_targets_are_marked_met_or_missed_for_every_arm():
     assert mix["clustered"]["levels"]["8"]["bound_ms"] == 3200
     assert found["no_errors"]["infinity"] == {"errors": 2, "deliberate_429": 0, "met": False}
     assert found["no_errors"]["clustered"]["met"] is True
+
+
+def test_the_interleave_controls_are_this_server_without_interleaving_and_get_the_mix_bound():
+    arms = bench.make_arms("MODEL", 2, "infinity_emb", ("clustered", "clustered-no-interleave"))
+    assert [arm.name for arm in arms] == ["clustered", "clustered-no-interleave"]
+    assert "--no-interleave" not in arms[0].command and "--no-interleave" in arms[1].command
+    assert all(arm.command[-2:] == ["--port", str(arm.port)] for arm in arms)
+    cells = [
+        cell("long-8192", 1, "clustered", 0.6, p50=1600),
+        cell("long-8192", 1, "clustered-no-interleave", 0.6, p50=1550),
+        cell("short", 8, "clustered", 100, p99=100),
+        cell("short", 8, "clustered-no-interleave", 100, p99=110),
+        cell("mix", 8, "clustered", 10, short_p99=400, seconds=90, counts=(45, 9)),  # 1,600 + 2 x 100
+        cell("mix", 8, "clustered-no-interleave", 10, short_p99=1900),  # bound: 1,550 + 2 x 110
+    ]
+    found = bench.targets(cells)
+    assert list(found["mix_short_p99"]) == ["clustered", "clustered-no-interleave"]
+    assert found["mix_short_p99"]["clustered"]["met"] is True
+    assert found["mix_short_p99"]["clustered-no-interleave"]["levels"]["8"]["bound_ms"] == 1770
+    assert found["mix_short_p99"]["clustered-no-interleave"]["met"] is False
+    report = {
+        "cells": cells,
+        "targets": found,
+        "threads": 2,
+        "rounds": 2,
+        "machine": {"cpu": "CPU", "cores": 2},
+        "load_average_before": [1.0, 1.0, 1.0],
+        "load_average_after": [2.0, 2.0, 2.0],
+        "date": "2026-12-08T00:00:00",
+    }
+    lines = bench.interleave_table([report])
+    rows = [
+        [part.strip() for part in line.split("|")[1:-1]] for line in lines if line.startswith("| clustered")
+    ]
+    assert [row[:2] for row in rows] == [["clustered", "8"], ["clustered-no-interleave", "8"]]
+    assert [row[7] for row in rows] == ["met", "missed"]
+    assert rows[1][5:7] == ["1,900", "1,770"]
+    assert rows[0][2] == "0.5" and rows[0][3] == "0.1"  # 45 queries and 9 documents in 90 s

@@ -122,7 +122,9 @@ class ServerState:
             max_batch_requests=settings.max_batch_requests,
             max_wait_s=settings.max_wait_ms / 1000,
             on_batch=self._batch_done,
+            interleave=settings.interleave,
         )
+        self.layers_hooked = runner.call_between_layers(self.batcher.between_layers)
         self.in_flight = 0
         self.ready = threading.Event()
         self.failure: str | None = None
@@ -534,6 +536,7 @@ def _info(state: ServerState) -> dict[str, Any]:
         "max_input_tokens", "max_batch_tokens", "max_batch_requests", "max_wait_ms", "max_client_batch_size",
         "max_concurrent_requests", "payload_limit",
     )  # fmt: skip
+    batching = {"interleave": settings.interleave, "layers_hooked": state.layers_hooked}
     return {
         "model": settings.served_name,
         "model_path": encoder.path,
@@ -547,6 +550,7 @@ def _info(state: ServerState) -> dict[str, Any]:
         "threads": _threads(),
         "workers": environment.serve_workers(),
         "limits": {name: getattr(settings, name) for name in limits},
+        "batching": batching,
         "api_key": settings.api_key is not None,
         "cors_origins": list(settings.cors_origins),
         "ready": state.ready.is_set(),

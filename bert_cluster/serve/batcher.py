@@ -16,6 +16,14 @@ requests meanwhile). A batch is chosen around an anchor input:
 - when the batch could still grow, the loop waits for more inputs, at most ``max_wait_s`` after the
   anchor was queued.
 
+With ``interleave`` (the default), short inputs do not wait for a long batch at all: the model calls
+``between_layers()`` at each layer (``ModelRunner`` hooks its attention modules), and there, on the
+model's thread, one batch of queued inputs at most a ``INTERLEAVE_RATIO``-th of the running batch's
+longest runs before the long batch goes on. A query behind an 8,192-token document then waits for one of
+its layers, not for all of them. The long batch's numbers do not change (the model keeps no state from
+one pass to the next); it takes longer by the short batches run inside it. Only one level: a batch run
+between layers is never interrupted itself.
+
 An input whose request went away (its future cancelled: the client disconnected, the server stops) is
 dropped from the queue, and a batch's results never go to a future that is no longer waiting.
 """
@@ -24,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -36,6 +46,8 @@ Result = TypeVar("Result")
 SIMILAR_RATIO = 2.0
 #: ... or at most this many tokens longer (short inputs batch together whatever their ratio).
 SIMILAR_SLACK = 64
+#: A queued input runs between the layers of a batch whose longest input is at least this many times its own.
+INTERLEAVE_RATIO = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,6 +70,22 @@ class BatchReport:
     seconds: float
     waited: tuple[float, ...]
     failed: bool
+    between_layers: bool = False
+
+    @classmethod
+    def of(
+        cls, batch: Sequence[Job], started: float, seconds: float, failed: bool, between_layers: bool = False
+    ) -> BatchReport:
+        """The report of ``batch``, begun at ``started`` (``time.perf_counter``), ``seconds`` long."""
+        return cls(
+            inputs=len(batch),
+            tokens=sum(job.tokens for job in batch),
+            padded_tokens=len(batch) * max(job.tokens for job in batch),
+            seconds=seconds,
+            waited=tuple(started - job.queued for job in batch),
+            failed=failed,
+            between_layers=between_layers,
+        )
 
 
 def similar(shortest: int, longest: int) -> bool:
@@ -108,8 +136,10 @@ class Batcher(Generic[Item, Result]):
         max_batch_requests: int,
         max_wait_s: float,
         on_batch: Callable[[BatchReport], None] | None = None,
+        interleave: bool = True,
     ) -> None:
         self._run = run
+        self.interleave = interleave
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_wait_s = max_wait_s
@@ -120,6 +150,9 @@ class Batcher(Generic[Item, Result]):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._shorter_than: int | None = None
         self._stopping = False
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._running_longest: int | None = None  # the batch in progress, while it runs
+        self._model_thread = threading.local()  # .inside: a batch between layers is running
         self.busy = False
 
     @property
@@ -136,6 +169,7 @@ class Batcher(Generic[Item, Result]):
         """Start the batching loop in the running event loop."""
         self._wake = asyncio.Event()
         self._stopping = False
+        self._event_loop = asyncio.get_running_loop()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bert-cluster-model")
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="bert-cluster-batcher")
 
@@ -229,6 +263,7 @@ class Batcher(Generic[Item, Result]):
         started = time.perf_counter()
         self.busy = True
         failed = False
+        self._running_longest = max(job.tokens for job in batch)
         try:
             results = await loop.run_in_executor(self._executor, self._run, [job.item for job in batch])
         except Exception as error:  # the requests of this batch fail; the loop goes on
@@ -242,17 +277,71 @@ class Batcher(Generic[Item, Result]):
                     job.future.set_result(result)
         finally:
             self.busy = False
+            self._running_longest = None
             for job in batch:  # cancelled while it ran (the loop was): nobody is left waiting forever
                 if not job.future.done():
                     job.future.cancel()
         if self._on_batch is not None:
-            self._on_batch(
-                BatchReport(
-                    inputs=len(batch),
-                    tokens=sum(job.tokens for job in batch),
-                    padded_tokens=len(batch) * max(job.tokens for job in batch),
-                    seconds=time.perf_counter() - started,
-                    waited=tuple(started - job.queued for job in batch),
-                    failed=failed,
-                )
-            )
+            self._on_batch(BatchReport.of(batch, started, time.perf_counter() - started, failed))
+
+    def between_layers(self) -> None:
+        """Run one batch of queued short inputs now (the model's thread calls this at each layer).
+
+        A no-op outside a batch, inside a batch run between layers, without ``interleave``, or when no
+        queued input is short enough (module docstring). The inputs are taken from the queue on the event
+        loop's thread; their results go back there.
+        """
+        longest, loop = self._running_longest, self._event_loop
+        if not self.interleave or longest is None or loop is None or self._stopping:
+            return
+        if getattr(self._model_thread, "inside", False):
+            return
+        limit = longest // INTERLEAVE_RATIO
+        if not any(job.tokens <= limit for job in tuple(self._queue)):  # cheap: no thread hop
+            return
+        taken: concurrent.futures.Future[list[Job]] = concurrent.futures.Future()
+        try:
+            loop.call_soon_threadsafe(self._take_short, limit, taken)
+            batch = taken.result(timeout=5.0)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop is closing or stuck
+            return
+        if not batch:
+            return
+        started = time.perf_counter()
+        self._model_thread.inside = True
+        try:
+            outcome: Sequence[Result] | Exception = self._run([job.item for job in batch])
+            if len(outcome) != len(batch):
+                raise RuntimeError(f"the model gave {len(outcome)} results for {len(batch)} inputs")
+        except Exception as error:  # these requests fail; the long batch goes on
+            outcome = error
+        finally:
+            self._model_thread.inside = False
+        seconds = time.perf_counter() - started
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
+            loop.call_soon_threadsafe(self._deliver, batch, outcome, started, seconds)
+
+    def _take_short(self, limit: int, taken: concurrent.futures.Future) -> None:
+        """On the event loop: a batch of queued inputs of at most ``limit`` tokens, for ``between_layers``."""
+        batch: list[Job] = []
+        if not self._stopping:
+            short = [job for job in self._queue if job.tokens <= limit and not job.future.done()]
+            batch = choose_batch(short, self.max_batch_tokens, self.max_batch_requests)
+            chosen = {id(job) for job in batch}
+            self._queue = [job for job in self._queue if id(job) not in chosen]
+        taken.set_result(batch)
+
+    def _deliver(
+        self, batch: list[Job], outcome: Sequence[Result] | Exception, started: float, seconds: float
+    ) -> None:
+        """On the event loop: the results (or the error) of a batch run between layers."""
+        failed = isinstance(outcome, Exception)
+        for index, job in enumerate(batch):
+            if job.future.done():  # its request went away
+                continue
+            if isinstance(outcome, Exception):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome[index])
+        if self._on_batch is not None:
+            self._on_batch(BatchReport.of(batch, started, seconds, failed, between_layers=True))

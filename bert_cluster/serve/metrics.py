@@ -76,6 +76,10 @@ class ServerMetrics:
         self.batch_seconds = Histogram(
             name("batch_seconds"), "Time of one model pass", buckets=LATENCY_BUCKETS, registry=registry
         )
+        self.batches_between_layers = Counter(
+            name("batches_between_layers"), "Model passes of short inputs run between a long pass's layers",
+            registry=registry,
+        )  # fmt: skip
         self.queue_seconds = Histogram(
             name("queue_seconds"), "Time an input waited in the queue", buckets=LATENCY_BUCKETS,
             registry=registry,
@@ -91,6 +95,8 @@ class ServerMetrics:
         self.batch_tokens.observe(report.tokens)
         self.batch_padded_tokens.observe(report.padded_tokens)
         self.batch_seconds.observe(report.seconds)
+        if report.between_layers:
+            self.batches_between_layers.inc()
         for waited in report.waited:
             self.queue_seconds.observe(waited)
         if not report.failed:

@@ -14,7 +14,7 @@ import concurrent.futures
 import copy
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bert_cluster import crossover
@@ -64,6 +64,19 @@ class ModelRunner:
     def counting(self) -> concurrent.futures.Executor:
         """The thread token counts run on (one, with its own tokenizer)."""
         return self._counting
+
+    def call_between_layers(self, callback: Callable[[], None]) -> int:
+        """Have every pass call ``callback()`` as each layer's attention begins; the layers hooked.
+
+        The batcher's ``between_layers`` goes here. 0 hooked: the model's attention modules are not found
+        (the server then runs every batch whole).
+        """
+        from bert_cluster.hf import attention_modules
+
+        modules = attention_modules(self.encoder.model)
+        for module in modules:
+            module.register_forward_pre_hook(lambda _module, _args: callback())
+        return len(modules)
 
     def embed(self, texts: list[str]) -> Any:
         """One batch of texts: a float32 numpy matrix, one row per text, in order."""

@@ -48,6 +48,8 @@ class ServeSettings:
         api_key: when set, every route but /health and /ready needs ``Authorization: Bearer KEY``.
         cors_origins: origins allowed cross-origin requests (none: CORS off).
         warmup: run the model once before /ready says ready (it also measures ``min_length="auto"``).
+        interleave: run batches of short inputs between the layers of a long batch, so that a query
+            behind a long document waits for one of its layers, not the whole pass (``serve.batcher``).
     """
 
     model: str
@@ -67,6 +69,7 @@ class ServeSettings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     warmup: bool = True
+    interleave: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

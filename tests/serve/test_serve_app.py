@@ -372,3 +372,46 @@ def test_settings_round_trip_through_json_with_the_key():
     data = json.loads(json.dumps(settings.to_dict(secrets=True)))
     assert ServeSettings.from_dict(data) == settings
     assert settings.to_dict()["api_key"] is True
+
+
+async def until(condition, seconds: float = 30.0) -> None:
+    """Wait for ``condition()`` (bounded: a test fails rather than hangs)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still not true after {seconds} s: {condition}")
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleave", "no-interleave"])
+async def test_a_query_behind_a_long_document_runs_between_its_layers_with_offline_numbers(
+    tiny_encoder, interleave
+):
+    app = create_app(str(tiny_encoder), exact=True, warmup=False, interleave=interleave)
+    state = app.state.server
+    long_text, short_text = "a long document " * 60, "a query"  # 512 tokens (truncated) and 9
+    assert state.runner.count_tokens([short_text])[0] * 4 <= 512
+    hold = threading.Event()
+    first_layer = bert_cluster.hf.attention_modules(state.runner.encoder.model)[0]
+
+    def held(_module, args):  # the long document's pass waits in layer 0, before the batcher's hook
+        if args[0].shape[1] > 100:
+            hold.wait(30)
+
+    first_layer.register_forward_pre_hook(held, prepend=True)
+    async with serving(app) as client:
+        long = asyncio.ensure_future(client.post("/embed", json={"inputs": long_text, "truncate": True}))
+        await until(lambda: state.batcher.busy)
+        short = asyncio.ensure_future(client.post("/embed", json={"inputs": short_text}))
+        await until(lambda: state.batcher.queued_inputs == 1)
+        hold.set()
+        answers = await asyncio.gather(long, short)
+        metrics = (await client.get("/metrics")).text
+        between = metric(metrics, "bert_cluster_serve_batches_between_layers_total")
+        info = (await client.get("/info")).json()
+    assert [answer.status_code for answer in answers] == [200, 200], answers[0].text
+    assert info["batching"] == {"interleave": interleave, "layers_hooked": 2}
+    assert between == (1 if interleave else 0)
+    served = np.array([answer.json()[0] for answer in answers], dtype=np.float32)
+    expected = offline(tiny_encoder, [long_text, short_text], None)
+    np.testing.assert_array_equal(served, expected)  # each alone in its pass: bit for bit

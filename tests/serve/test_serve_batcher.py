@@ -219,3 +219,115 @@ async def test_stop_finishes_the_batch_in_progress_and_fails_the_queued_inputs()
             await queued
         with pytest.raises(RuntimeError, match="not running"):
             await batcher.submit([("late", 10)])
+
+
+class Layered:
+    """A model stand-in with layers: at each it calls the batcher's ``between_layers``, as
+    ``ModelRunner``'s hooks do; a batch holding ``hold_on`` waits at ``hold`` after its first layer."""
+
+    def __init__(self, layers: int = 3, hold_on: str = "long", fail_on: str | None = None) -> None:
+        self.batcher: Batcher | None = None
+        self.layers, self.hold_on, self.fail_on = layers, hold_on, fail_on
+        self.hold = threading.Event()
+        self.log: list[tuple[tuple[str, ...], int]] = []
+        self.depth = self.deepest = 0
+
+    def __call__(self, items: list[str]) -> list[str]:
+        assert self.batcher is not None
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+        try:
+            for layer in range(self.layers):
+                self.batcher.between_layers()
+                self.log.append((tuple(items), layer))
+                if layer == 0 and self.hold_on in items:
+                    self.hold.wait(10)
+            if self.fail_on in items:
+                raise ValueError(f"cannot run {self.fail_on}")
+            return [f"vector of {item}" for item in items]
+        finally:
+            self.depth -= 1
+
+
+async def layered(model: Layered, interleave: bool = True, **limits) -> Batcher:
+    model.batcher = Batcher(model, limits.get("tokens", 16384), 64, max_wait_s=0.0, interleave=interleave)
+    return await started(model.batcher)
+
+
+async def held_long_with_shorts(model: Layered, shorts: list[tuple[str, int]]):
+    """The long document running, held after its first layer, with ``shorts`` queued behind it."""
+    batcher = model.batcher
+    long = asyncio.ensure_future(batcher.submit([("long", 8192)]))
+    while not model.log:
+        await asyncio.sleep(0.005)
+    waiting = [asyncio.ensure_future(batcher.submit([short])) for short in shorts]
+    while batcher.queued_inputs < len(shorts):
+        await asyncio.sleep(0.005)
+    return long, waiting
+
+
+async def test_short_inputs_run_between_the_layers_of_a_long_batch_and_get_their_own_results():
+    model = Layered()
+    reports = []
+    batcher = await layered(model)
+    batcher._on_batch = reports.append
+    finished: list[str] = []
+    try:
+        long, shorts = await held_long_with_shorts(model, [(f"short-{i}", 20 + i) for i in range(3)])
+        long.add_done_callback(lambda _: finished.append("long"))
+        for short in shorts:
+            short.add_done_callback(lambda _: finished.append("short"))
+        model.hold.set()
+        answers = await asyncio.gather(long, *shorts)
+    finally:
+        await batcher.stop()
+    shorts_batch = tuple(f"short-{i}" for i in range(3))
+    # The long batch's first layer, then the shorts' whole pass (one batch), then the long's other layers.
+    shorts_pass = [(shorts_batch, layer) for layer in range(3)]
+    assert model.log == [(("long",), 0), *shorts_pass, (("long",), 1), (("long",), 2)]
+    assert answers == [["vector of long"], *([f"vector of short-{i}"] for i in range(3))]
+    assert finished == ["short"] * 3 + ["long"]
+    assert model.deepest == 2  # one level: the shorts' own layers ran nothing inside them
+    assert [report.between_layers for report in reports] == [True, False]
+    assert reports[0].inputs == 3 and reports[0].padded_tokens == 3 * 22
+
+
+async def test_without_interleave_or_when_not_short_enough_inputs_wait_for_the_whole_batch():
+    for interleave, queued in ((False, ("short", 20)), (True, ("quarter-plus-one", 8192 // 4 + 1))):
+        model = Layered()
+        batcher = await layered(model, interleave=interleave)
+        try:
+            long, (other,) = await held_long_with_shorts(model, [queued])
+            model.hold.set()
+            await asyncio.gather(long, other)
+        finally:
+            await batcher.stop()
+        assert [items for items, _ in model.log] == [("long",)] * 3 + [(queued[0],)] * 3, interleave
+
+
+async def test_a_failing_batch_between_layers_fails_its_requests_only():
+    model = Layered(fail_on="bad")
+    batcher = await layered(model)
+    try:
+        long, (bad,) = await held_long_with_shorts(model, [("bad", 10)])
+        model.hold.set()
+        assert await long == ["vector of long"]
+        with pytest.raises(ValueError, match="cannot run bad"):
+            await bad
+        assert await batcher.submit([("good", 10)]) == ["vector of good"]
+    finally:
+        await batcher.stop()
+
+
+async def test_stopping_takes_nothing_between_layers_and_fails_what_is_queued():
+    model = Layered()
+    batcher = await layered(model)
+    long, (short,) = await held_long_with_shorts(model, [("short", 20)])
+    stopping = asyncio.ensure_future(batcher.stop())
+    await asyncio.sleep(0.01)
+    model.hold.set()
+    await stopping
+    assert await long == ["vector of long"]
+    with pytest.raises(RuntimeError, match="stopping"):
+        await short
+    assert [items for items, _ in model.log] == [("long",)] * 3
