@@ -97,28 +97,28 @@ def copy_docs(tmp_path: Path) -> Path:
 
 def test_a_changed_figure_makes_the_check_fail_and_rendering_fixes_it(tmp_path, capsys):
     root = copy_docs(tmp_path)
-    source = root / "docs/results/bench_attention_xeon_amx/targets_fp32_2.json"
+    source = root / "docs/results/bench_attention_zen4/targets_fp32_1.json"
     result = json.loads(source.read_text(encoding="utf-8"))
     row = next(r for r in result["rows"] if r["n"] == 512 and r["method"] == "kernel-i-clustered")
     benchmarks = root / "docs/benchmarks.md"
-    assert "1.26 / 1.25 (3.04× / 3.07×)" in benchmarks.read_text(encoding="utf-8")
-    assert "| AVX-512 | 3.04× / 26.0×, Xeon with AMX |" in (root / "README.md").read_text(encoding="utf-8")
-    row["median_ms"] = 1.53
-    row["speedup_vs_sdpa"] = 2.5  # below the other run's 3.04: the summaries show the lower
+    assert "1.56 / 1.46 (3.38× / 4.26×)" in benchmarks.read_text(encoding="utf-8")
+    assert "| AVX-512 | 3.38× / 30.7×, Zen 4 |" in (root / "README.md").read_text(encoding="utf-8")
+    row["median_ms"] = 2.1
+    row["speedup_vs_sdpa"] = 2.5  # below the other run's 4.26: the summaries show the lower
     source.write_text(json.dumps(result), encoding="utf-8")
 
     assert render.main(["--check", "--root", str(root)]) == 1
     stale = capsys.readouterr().err
     assert "README.md: table 'summary-isa' differs" in stale
-    assert "docs/benchmarks.md: table 'speed-xeon-amx' differs" in stale
+    assert "docs/benchmarks.md: table 'speed-zen4' differs" in stale
     assert "docs/results/README.md: table 'summary-cpus' differs" in stale
     assert "long-documents" not in stale  # only the tables made from that file
 
     assert render.main(["--root", str(root)]) == 0  # rewrites the regions
-    assert "1.26 / 1.53 (3.04× / 2.50×)" in benchmarks.read_text(encoding="utf-8")
-    assert "| AVX-512 | 2.50× / 26.0×, Xeon with AMX |" in (root / "README.md").read_text(encoding="utf-8")
+    assert "2.10 / 1.46 (2.50× / 4.26×)" in benchmarks.read_text(encoding="utf-8")
+    assert "| AVX-512 | 2.50× / 30.7×, Zen 4 |" in (root / "README.md").read_text(encoding="utf-8")
     index = (root / "docs/results/README.md").read_text(encoding="utf-8")
-    assert "| Intel Xeon with AMX (AVX-512 BF16, AMX) | 2.50× / 26.0× |" in index
+    assert "| AMD EPYC Zen 4 (AVX-512) | 2.50× / 30.7× |" in index
     assert render.main(["--check", "--root", str(root)]) == 0
 
 
