@@ -132,8 +132,12 @@ async def test_1000_requests_at_concurrency_32_lose_nothing_and_answer_their_own
 ):
     server = shared_server
     before = httpx.get(f"{server.url}/metrics").text
+    # Every tenth request one input of 377 tokens, the others 16 to 174: queries run between the long
+    # inputs' layers (the tiny model's 2), as interleaving does by default.
     requests = [
         [f"request {r} part {p}: " + "word " * ((r * 13 + p * 7) % 40) for p in range(1 + r % 3)]
+        if r % 10
+        else [f"request {r} part 0: " + "word " * 90]
         for r in range(1000)
     ]
     limit = asyncio.Semaphore(32)
@@ -164,6 +168,7 @@ async def test_1000_requests_at_concurrency_32_lose_nothing_and_answer_their_own
 
     assert grew("bert_cluster_serve_inputs_total") == len(texts)
     assert grew("bert_cluster_serve_batch_inputs_count") < len(texts)  # batched
+    assert grew("bert_cluster_serve_batches_between_layers_total") > 0  # and interleaved
 
 
 async def test_sigterm_under_load_finishes_in_flight_work_refuses_new_work_and_exits_0(stopping_server):
