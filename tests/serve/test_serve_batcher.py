@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bert_cluster.serve.batcher import Batcher, Job, choose_batch, similar
+from bert_cluster.serve.batcher import INTERLEAVE_MIN_TOKENS, Batcher, Job, choose_batch, similar
 
 pytestmark = pytest.mark.anyio
 
@@ -254,10 +254,10 @@ async def layered(model: Layered, interleave: bool = True, **limits) -> Batcher:
     return await started(model.batcher)
 
 
-async def held_long_with_shorts(model: Layered, shorts: list[tuple[str, int]]):
+async def held_long_with_shorts(model: Layered, shorts: list[tuple[str, int]], length: int = 8192):
     """The long document running, held after its first layer, with ``shorts`` queued behind it."""
     batcher = model.batcher
-    long = asyncio.ensure_future(batcher.submit([("long", 8192)]))
+    long = asyncio.ensure_future(batcher.submit([("long", length)]))
     while not model.log:
         await asyncio.sleep(0.005)
     waiting = [asyncio.ensure_future(batcher.submit([short])) for short in shorts]
@@ -293,16 +293,21 @@ async def test_short_inputs_run_between_the_layers_of_a_long_batch_and_get_their
 
 
 async def test_without_interleave_or_when_not_short_enough_inputs_wait_for_the_whole_batch():
-    for interleave, queued in ((False, ("short", 20)), (True, ("quarter-plus-one", 8192 // 4 + 1))):
+    cases = (
+        (False, 8192, ("short", 20)),
+        (True, 8192, ("quarter-plus-one", 8192 // 4 + 1)),
+        (True, INTERLEAVE_MIN_TOKENS - 1, ("short", 20)),  # a batch under the floor runs whole
+    )
+    for interleave, length, queued in cases:
         model = Layered()
         batcher = await layered(model, interleave=interleave)
         try:
-            long, (other,) = await held_long_with_shorts(model, [queued])
+            long, (other,) = await held_long_with_shorts(model, [queued], length)
             model.hold.set()
             await asyncio.gather(long, other)
         finally:
             await batcher.stop()
-        assert [items for items, _ in model.log] == [("long",)] * 3 + [(queued[0],)] * 3, interleave
+        assert [items for items, _ in model.log] == [("long",)] * 3 + [(queued[0],)] * 3, (length, queued)
 
 
 async def test_a_failing_batch_between_layers_fails_its_requests_only():

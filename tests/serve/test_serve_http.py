@@ -132,12 +132,12 @@ async def test_1000_requests_at_concurrency_32_lose_nothing_and_answer_their_own
 ):
     server = shared_server
     before = httpx.get(f"{server.url}/metrics").text
-    # Every tenth request one input of 377 tokens, the others 16 to 174: queries run between the long
-    # inputs' layers (the tiny model's 2), as interleaving does by default.
+    # Every tenth request one input cut at the model's 512 positions, the others 16 to 174 tokens: queries
+    # run between the long inputs' layers (the tiny model's 2), as interleaving does by default.
     requests = [
         [f"request {r} part {p}: " + "word " * ((r * 13 + p * 7) % 40) for p in range(1 + r % 3)]
         if r % 10
-        else [f"request {r} part 0: " + "word " * 90]
+        else [f"request {r} part 0: " + "word " * 200]
         for r in range(1000)
     ]
     limit = asyncio.Semaphore(32)
@@ -145,7 +145,8 @@ async def test_1000_requests_at_concurrency_32_lose_nothing_and_answer_their_own
 
     async def send(client: httpx.AsyncClient, number: int) -> None:
         async with limit:
-            answers[number] = await client.post("/v1/embeddings", json={"input": requests[number]})
+            body = {"input": requests[number], "truncate": True}
+            answers[number] = await client.post("/v1/embeddings", json=body)
 
     connections = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(base_url=server.url, limits=connections, timeout=120) as client:
